@@ -1,0 +1,145 @@
+"""Function-calling accuracy (BFCL AST rules) of a model on the synthetic task or on real BFCL.
+
+    python -m bench.accuracy --policy full --split test [--category C] [--limit N] [--json PATH]
+    python -m bench.accuracy --split bfcl            # the real BFCL non-live questions
+
+Prints a per-category table and writes the same numbers as JSON (keys ``policy``, ``budget``,
+``split``, ``accuracy`` (category -> fraction), ``overall`` (unweighted mean over categories, as
+BFCL averages), ``num_examples``). Decoding is greedy through ``transformers``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from models import CheckpointNotFoundError, bfcl, chat, resolve_checkpoint, synth
+from models.checker import check
+
+POLICIES = ("full",)
+SPLITS = ("dev", "test", "bfcl")
+
+
+@dataclass(frozen=True)
+class Item:
+    id: str
+    category: str
+    messages: list[dict[str, str]]
+    tools: list[dict[str, Any]]          # OpenAI format, for the chat template
+    functions: list[dict[str, Any]]      # as the checker should read them
+    ground_truth: list[dict[str, Any]]
+
+
+def load_items(split: str, categories: list[str]) -> list[Item]:
+    items = []
+    for category in categories:
+        if split == "bfcl":
+            for q in bfcl.load_questions(category):
+                if q.ground_truth is None and category != "irrelevance":
+                    continue
+                items.append(Item(q.id, category, q.messages, [bfcl.to_openai_tool(f) for f in q.functions],
+                                  q.functions, q.ground_truth or []))
+        else:
+            for ex in synth.eval_examples(split, category):
+                items.append(Item(ex.id, category, ex.messages, ex.tools, ex.tools, ex.ground_truth))
+    return items
+
+
+class HFGreedyRunner:
+    """Greedy decoding with ``transformers`` (full KV), one request at a time."""
+
+    def __init__(self, model_dir: Path, max_new_tokens: int = 256):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        self.torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.max_new_tokens = max_new_tokens
+
+    def __call__(self, item: Item) -> str:
+        ids = self.tokenizer.apply_chat_template(item.messages, tools=item.tools, add_generation_prompt=True,
+                                                 return_tensors="pt", return_dict=True)["input_ids"]
+        with self.torch.no_grad():
+            out = self.model.generate(ids, max_new_tokens=self.max_new_tokens, do_sample=False,
+                                      pad_token_id=self.model.config.pad_token_id)
+        return self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def score(item: Item, text: str) -> bool:
+    try:
+        calls, _ = chat.parse_tool_calls(text)
+    except ValueError:
+        return item.category == "irrelevance"  # unparseable output is "no call", as BFCL counts it
+    return check(item.functions, calls, item.ground_truth, item.category).valid
+
+
+def evaluate(runner, items: list[Item], progress: bool = True) -> dict[str, list[bool]]:
+    results: dict[str, list[bool]] = {}
+    for item in tqdm(items, desc="eval", disable=not progress, dynamic_ncols=True):
+        results.setdefault(item.category, []).append(score(item, runner(item)))
+    return results
+
+
+def report(results: dict[str, list[bool]], policy: str, budget: float, split: str) -> dict[str, Any]:
+    accuracy = {c: sum(v) / len(v) for c, v in results.items()}
+    return {"policy": policy, "budget": budget, "split": split, "accuracy": accuracy,
+            "overall": sum(accuracy.values()) / len(accuracy) if accuracy else 0.0,
+            "num_examples": {c: len(v) for c, v in results.items()}}
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    rows = [f"{'category':<20} {'accuracy':>9} {'n':>5}"]
+    for c, acc in summary["accuracy"].items():
+        rows.append(f"{c:<20} {100 * acc:>8.1f}% {summary['num_examples'][c]:>5}")
+    rows.append(f"{'overall':<20} {100 * summary['overall']:>8.1f}%")
+    return "\n".join(rows)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.accuracy", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--policy", default="full", choices=POLICIES, help="KV policy")
+    ap.add_argument("--budget", type=float, default=1.0, help="total KV budget (fraction of full KV)")
+    ap.add_argument("--split", default="test", choices=SPLITS)
+    ap.add_argument("--category", action="append", help="category (repeatable); default: all of the split")
+    ap.add_argument("--limit", type=int, help="at most N examples per category")
+    ap.add_argument("--model", type=Path, help="HF checkpoint folder (default: the embedded model)")
+    ap.add_argument("--json", type=Path, help="also write the summary as JSON here")
+    args = ap.parse_args(argv)
+    known = bfcl.CATEGORIES if args.split == "bfcl" else synth.CATEGORIES
+    for c in args.category or []:
+        if c not in known:
+            ap.error(f"unknown category {c!r} for split {args.split!r}; choose from {', '.join(known)}")
+    if args.limit is not None and args.limit < 1:
+        ap.error("--limit must be at least 1")
+    if not 0.0 < args.budget <= 1.0:
+        ap.error("--budget must be in (0, 1]")
+    args.category = args.category or list(known)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        model_dir = resolve_checkpoint(args.model)
+        items = load_items(args.split, args.category)
+    except (CheckpointNotFoundError, bfcl.BFCLDataError, synth.SynthError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.limit:
+        items = [i for c in args.category for i in [x for x in items if x.category == c][: args.limit]]
+    summary = report(evaluate(HFGreedyRunner(model_dir), items), args.policy, args.budget, args.split)
+    print(format_table(summary))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
