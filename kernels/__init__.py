@@ -1,0 +1,52 @@
+"""Kernels of the KV cache, each a Triton kernel beside a plain-torch reference ``<op>_ref``.
+
+The registry picks Triton for CUDA tensors (when Triton imports) and the reference elsewhere;
+``STRUCTKV_KERNELS=ref`` forces the references. Importing this package never needs CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.decode_attention import (merge_attention_states, paged_decode_attention_ref,
+                                      paged_decode_attention_triton)
+from kernels.quantize import dequantize_ref, quantize_ref, quantize_store_ref, quantize_store_triton
+from kernels import decode_attention as _da
+
+_IMPLEMENTATIONS = {
+    "quantize_store": (quantize_store_ref, quantize_store_triton),
+    "paged_decode_attention": (paged_decode_attention_ref, paged_decode_attention_triton),
+}
+
+
+def use_triton(device: torch.device) -> bool:
+    """Whether the Triton kernels run for tensors on ``device``."""
+    return (device.type == "cuda" and _da.triton is not None
+            and os.environ.get("STRUCTKV_KERNELS", "auto") != "ref")
+
+
+def get_kernel(name: str, device: torch.device):
+    """The implementation of kernel ``name`` for ``device``.
+
+    Raises:
+        KeyError: an unknown kernel name.
+    """
+    ref, tri = _IMPLEMENTATIONS[name]
+    return tri if use_triton(device) else ref
+
+
+def quantize_store(x, data, scale, slots, bits: int) -> None:
+    get_kernel("quantize_store", x.device)(x, data, scale, slots, bits)
+
+
+def paged_decode_attention(q, k, v, k_scale, v_scale, block_table, lens, bits: int,
+                           sm_scale: float | None = None):
+    return get_kernel("paged_decode_attention", q.device)(q, k, v, k_scale, v_scale, block_table,
+                                                          lens, bits, sm_scale)
+
+
+__all__ = ["dequantize_ref", "get_kernel", "merge_attention_states", "paged_decode_attention",
+           "paged_decode_attention_ref", "paged_decode_attention_triton", "quantize_ref",
+           "quantize_store", "quantize_store_ref", "quantize_store_triton", "use_triton"]

@@ -1,0 +1,232 @@
+"""Compact Llama-family decoder (Llama, Qwen2, Qwen3) that loads Hugging Face checkpoints.
+
+The model computes projections, RoPE and MLPs; attention over the KV cache is delegated to an
+``attention`` callable supplied per forward (the model runner binds it to the KV store), so the
+same definition serves prefill, decode, tensor parallelism and every KV policy unchanged.
+
+Shapes: the forward takes a flat token batch ``input_ids [T]`` (int64) with ``positions [T]``
+(each token's true position in its sequence) and returns ``hidden [T, hidden_size]``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+# attention(layer_index, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]; k is after RoPE.
+AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
+                           "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "llama"}
+
+
+class UnsupportedModelError(ValueError):
+    """A checkpoint whose architecture or settings this engine does not implement."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Decoder hyper-parameters, read from a Hugging Face ``config.json``."""
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qk_norm: bool = False          # Qwen3: RMSNorm on q and k per head, before RoPE
+    attention_bias: bool = False   # Qwen2: bias on q, k, v
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(f"num_heads {self.num_heads} is not a multiple of "
+                                        f"num_kv_heads {self.num_kv_heads}")
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "ModelConfig":
+        archs = hf.get("architectures") or []
+        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise UnsupportedModelError(f"architectures {archs} not supported; "
+                                        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        rope_scaling = hf.get("rope_scaling") or (hf.get("rope_parameters") or {})
+        if rope_scaling.get("rope_type", rope_scaling.get("type", "default")) not in ("default", None):
+            raise UnsupportedModelError(f"rope scaling {rope_scaling} is not supported")
+        theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        eos = hf.get("eos_token_id")
+        num_heads = hf["num_attention_heads"]
+        return cls(
+            architecture=arch, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads, num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads, rope_theta=float(theta),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qk_norm=arch == "qwen3", attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),
+            eos_token_ids=tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else [])))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos, sin of shape [T, head_dim] for integer ``positions [T]`` (HF "rotate half" layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
+                                             device=positions.device) / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, H, D]`` by ``cos, sin [T, D]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # set by tensor parallel
+
+    def forward(self, x, cos, sin, attention: AttentionFn):
+        T = x.shape[0]
+        # Head counts come from the weights so a tensor-parallel shard needs no other change.
+        q = self.q_proj(x).view(T, -1, self.head_dim)
+        k = self.k_proj(x).view(T, -1, self.head_dim)
+        v = self.v_proj(x).view(T, -1, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.o_proj(attention(self.layer_index, q, k, v).reshape(T, -1))
+        return self.reduce(out) if self.reduce else out
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def forward(self, x):
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.reduce(out) if self.reduce else out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_index: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_index)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attention):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Llama / Qwen2 / Qwen3 causal LM; parameter names match Hugging Face checkpoints."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attention: AttentionFn) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` for flat ``input_ids [T]`` at ``positions [T]``."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attention)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, vocab]`` float32 logits for ``hidden [N, hidden]``."""
+        return self.lm_head(hidden).float()
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> CausalLM:
+    """Load a Hugging Face checkpoint folder (config.json + *.safetensors).
+
+    Raises:
+        FileNotFoundError: no config.json or no safetensors file in ``path``.
+        UnsupportedModelError: an architecture or option this engine does not implement.
+        ValueError: weights missing from or unexpected in the checkpoint (names listed).
+    """
+    from safetensors.torch import load_file
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {path}")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    state = {}
+    for f in files:
+        state.update(load_file(f))
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    missing, unexpected = expected - state.keys(), state.keys() - expected
+    unexpected = {k for k in unexpected if "rotary_emb" not in k}
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match {cfg.architecture}: missing "
+                         f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.to(device).eval()

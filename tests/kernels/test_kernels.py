@@ -1,0 +1,135 @@
+"""Kernels: Triton (under TRITON_INTERPRET=1 on the CPU) against the torch references, and the
+references against float64 dense attention."""
+
+import math
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton compiles anything
+
+import kernels  # noqa: E402
+from kernels import (dequantize_ref, merge_attention_states, paged_decode_attention_ref,  # noqa: E402
+                     quantize_ref, quantize_store_ref)
+
+triton = pytest.importorskip("triton")
+interpret = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                               reason="needs TRITON_INTERPRET=1 or CUDA")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("n,h,d", [(1, 1, 2), (7, 3, 10), (13, 2, 64)])
+def test_quantize_roundtrip_error_bound(bits, n, h, d):
+    x = torch.randn(n, h, d) * 3
+    data, scale = quantize_ref(x, bits)
+    err = (dequantize_ref(data, scale, bits) - x).abs()
+    assert (err <= scale[..., None] * 0.5 + 1e-6).all()
+
+
+@interpret
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("n,h,d", [(1, 1, 2), (5, 3, 6), (9, 2, 32)])
+def test_quantize_store_triton_matches_ref(bits, n, h, d):
+    x = torch.randn(n, h, d)
+    slots_total = 3 * n + 2
+    dk = d if bits == 8 else d // 2
+    dtype = torch.int8 if bits == 8 else torch.uint8
+    pools = [(torch.zeros(slots_total, h, dk, dtype=dtype), torch.zeros(slots_total, h)) for _ in range(2)]
+    slots = torch.randperm(slots_total)[:n]
+    quantize_store_ref(x, *pools[0], slots, bits)
+    kernels.quantize_store_triton(x, *pools[1], slots, bits)
+    a = dequantize_ref(pools[0][0][slots], pools[0][1][slots], bits)
+    b = dequantize_ref(pools[1][0][slots], pools[1][1][slots], bits)
+    torch.testing.assert_close(pools[0][1], pools[1][1])
+    # Rounding at exact .5 boundaries may differ by one step between division implementations.
+    assert ((a - b).abs() <= pools[0][1][slots][..., None] * 1.001).all()
+    assert (a == b).float().mean() > 0.98
+
+
+def make_pool(lens, bs, hkv, d, bits, num_pages_extra=3):
+    """Random pages holding lens[b] entries per sequence, scattered over a shuffled page pool."""
+    pages_per = [max(1, math.ceil(n / bs)) for n in lens]
+    num_pages = sum(pages_per) + num_pages_extra
+    perm = torch.randperm(num_pages)
+    table = torch.zeros(len(lens), max(pages_per), dtype=torch.int32)
+    i = 0
+    for b, p in enumerate(pages_per):
+        table[b, :p] = perm[i:i + p].to(torch.int32)
+        i += p
+    kf, vf = torch.randn(num_pages, bs, hkv, d), torch.randn(num_pages, bs, hkv, d)
+    if bits == 0:
+        return table, (kf, vf, None, None), (kf.double(), vf.double())
+    kq, ks = quantize_ref(kf.flatten(0, 1), bits)
+    vq, vs = quantize_ref(vf.flatten(0, 1), bits)
+    shape = (num_pages, bs)
+    pool = (kq.view(*shape, *kq.shape[1:]), vq.view(*shape, *vq.shape[1:]), ks.view(*shape, hkv), vs.view(*shape, hkv))
+    dense = (dequantize_ref(pool[0], pool[2], bits).double(), dequantize_ref(pool[1], pool[3], bits).double())
+    return table, pool, dense
+
+
+def dense_reference(q, dense_k, dense_v, table, lens, bs):
+    """float64 attention per sequence over its first lens[b] slots."""
+    b, hq, d = q.shape
+    hkv = dense_k.shape[2]
+    out = torch.zeros(b, hq, d, dtype=torch.float64)
+    for i, n in enumerate(lens):
+        if n == 0:
+            continue
+        keys = dense_k[table[i].long()].flatten(0, 1)[:n].repeat_interleave(hq // hkv, dim=1)
+        vals = dense_v[table[i].long()].flatten(0, 1)[:n].repeat_interleave(hq // hkv, dim=1)
+        s = torch.einsum("hd,thd->ht", q[i].double(), keys) / math.sqrt(d)
+        out[i] = torch.einsum("ht,thd->hd", s.softmax(-1), vals)
+    return out
+
+
+CASES = [([5], 4, 1, 1, 8), ([1, 17, 0, 9], 4, 6, 3, 12), ([33, 2], 16, 8, 2, 32), ([6, 6, 6], 5, 6, 6, 16)]
+
+
+@pytest.mark.parametrize("bits", [0, 8, 4])
+@pytest.mark.parametrize("lens,bs,hq,hkv,d", CASES)
+def test_reference_matches_float64_dense(bits, lens, bs, hq, hkv, d):
+    table, pool, dense = make_pool(lens, bs, hkv, d, bits)
+    q = torch.randn(len(lens), hq, d)
+    out, lse = paged_decode_attention_ref(q, *pool, table, torch.tensor(lens, dtype=torch.int32), bits)
+    want = dense_reference(q, *dense, table, lens, bs)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    assert torch.isinf(lse[torch.tensor(lens) == 0]).all()
+
+
+@interpret
+@pytest.mark.parametrize("bits", [0, 8, 4])
+@pytest.mark.parametrize("lens,bs,hq,hkv,d", CASES)
+def test_triton_decode_matches_reference(bits, lens, bs, hq, hkv, d):
+    table, pool, _ = make_pool(lens, bs, hkv, d, bits)
+    q = torch.randn(len(lens), hq, d)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    ref_out, ref_lse = paged_decode_attention_ref(q, *pool, table, lens_t, bits)
+    out, lse = kernels.paged_decode_attention_triton(q, *pool, table, lens_t, bits)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_merge_equals_attention_over_union():
+    lens_a, lens_b = [4, 0, 7], [3, 5, 0]
+    bs, hq, hkv, d = 4, 4, 2, 8
+    ta, pa, da = make_pool(lens_a, bs, hkv, d, 0)
+    tb, pb, db = make_pool(lens_b, bs, hkv, d, 8)
+    q = torch.randn(3, hq, d)
+    oa, la = paged_decode_attention_ref(q, *pa, ta, torch.tensor(lens_a, dtype=torch.int32), 0)
+    ob, lb = paged_decode_attention_ref(q, *pb, tb, torch.tensor(lens_b, dtype=torch.int32), 8)
+    merged = merge_attention_states([oa, ob], [la, lb])
+    for i in range(3):
+        keys = torch.cat([da[0][ta[i].long()].flatten(0, 1)[:lens_a[i]], db[0][tb[i].long()].flatten(0, 1)[:lens_b[i]]])
+        vals = torch.cat([da[1][ta[i].long()].flatten(0, 1)[:lens_a[i]], db[1][tb[i].long()].flatten(0, 1)[:lens_b[i]]])
+        keys, vals = keys.repeat_interleave(2, dim=1), vals.repeat_interleave(2, dim=1)
+        s = torch.einsum("hd,thd->ht", q[i].double(), keys) / math.sqrt(d)
+        torch.testing.assert_close(merged[i].double(), torch.einsum("ht,thd->hd", s.softmax(-1), vals),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_registry_uses_reference_off_cuda():
+    assert kernels.get_kernel("paged_decode_attention", torch.device("cpu")) is paged_decode_attention_ref
+    with pytest.raises(ValueError, match="bits must be"):
+        quantize_store_ref(torch.zeros(1, 1, 2), torch.zeros(1, 1, 2, dtype=torch.int8), torch.zeros(1, 1),
+                           torch.zeros(1, dtype=torch.long), 5)

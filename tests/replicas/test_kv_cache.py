@@ -1,0 +1,118 @@
+"""KV cache: storage per (sequence, layer, token), precision changes, exact byte accounting."""
+
+import math
+
+import pytest
+import torch
+
+from replicas.kv_cache import KVCache, KVCacheConfig, KVCacheOutOfMemory, Precision
+
+
+def cache(**kw):
+    cfg = dict(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, max_bytes=1 << 22, initial_pages=2)
+    cfg.update(kw)
+    return KVCache(KVCacheConfig(**cfg))
+
+
+def fill(c, seq, n, layer=None, start=0):
+    k, v = torch.randn(n, 2, 8), torch.randn(n, 2, 8)
+    for layer_i in ([layer] if layer is not None else range(c.cfg.num_layers)):
+        c.append(seq, layer_i, range(start, start + n), k, v)
+    return k, v
+
+
+def test_append_gather_exact_and_bytes_equal_full_kv():
+    c = cache()
+    c.add_sequence("a")
+    k, v = fill(c, "a", 11)
+    pos, gk, gv = c.gather("a", 1)
+    assert pos.tolist() == list(range(11))
+    assert torch.equal(gk, k) and torch.equal(gv, v)
+    # 2 layers x ceil(11 / 4) pages, each: 4 slots x (2 x 2 heads x 8 dims x 4 B + 4 B position) + 4 B table entry
+    page = 4 * (2 * 2 * 8 * 4 + 4) + 4
+    assert c.sequence_bytes("a") == c.bytes_used == c.full_kv_bytes(11) == 2 * 3 * page
+    c.free_sequence("a")
+    assert c.bytes_used == 0
+
+
+@pytest.mark.parametrize("precision,bits", [(Precision.INT8, 8), (Precision.INT4, 4)])
+def test_demote_keeps_positions_and_bounded_error(precision, bits):
+    c = cache()
+    c.add_sequence("a")
+    k, v = fill(c, "a", 9)
+    freed = c.set_precision("a", 0, [1, 4, 8], precision)
+    assert c.kept("a", 0) == {p: (precision if p in (1, 4, 8) else Precision.HIGH) for p in range(9)}
+    pos, gk, _ = c.gather("a", 0)
+    order = pos.argsort()
+    step = k.abs().amax(-1, keepdim=True) / (127 if bits == 8 else 7)
+    assert ((gk[order] - k).abs() <= step * 0.51 + 1e-6).all()
+    low_page = 4 * (2 * 2 * (8 if bits == 8 else 4) + 2 * 2 * 4 + 4) + 4
+    high_page = 4 * (2 * 2 * 8 * 4 + 4) + 4
+    assert freed == high_page - low_page  # HIGH 9 -> 6 entries frees a page; the LOW entries take one
+    assert c.bytes_used == sum(c.sequence_bytes(s) for s in c.seqs)
+
+
+def test_release_frees_pages_and_tokens_never_return():
+    c = cache()
+    c.add_sequence("a")
+    fill(c, "a", 12)
+    before = c.sequence_bytes("a")
+    c.set_precision("a", 0, range(0, 8), Precision.RELEASED)
+    assert sorted(c.kept("a", 0)) == list(range(8, 12))
+    assert c.sequence_bytes("a") == before - 2 * (4 * (2 * 2 * 8 * 4 + 4) + 4)
+    assert c.set_precision("a", 0, [0, 1], Precision.HIGH) == 0  # precision never rises
+    assert 0 not in c.kept("a", 0)
+    with pytest.raises(ValueError, match="positions must be new"):
+        fill(c, "a", 1, layer=0, start=3)
+
+
+def test_new_tokens_keep_true_positions_after_release():
+    c = cache()
+    c.add_sequence("a")
+    fill(c, "a", 10, layer=0)
+    c.set_precision("a", 0, [0, 2, 5, 6], Precision.RELEASED)
+    fill(c, "a", 1, layer=0, start=10)
+    pos, _, _ = c.gather("a", 0)
+    assert sorted(pos.tolist()) == [1, 3, 4, 7, 8, 9, 10]
+    pool_positions = c.pools[Precision.HIGH].positions
+    kept_pages = c.seqs["a"].entries[0][Precision.HIGH].pages
+    assert sorted(pool_positions[kept_pages].flatten()[:7].tolist()) == [1, 3, 4, 7, 8, 9, 10]
+
+
+def test_decode_attention_over_mixed_pools_equals_dense():
+    torch.manual_seed(0)
+    c = cache()
+    for s in ("a", "b"):
+        c.add_sequence(s)
+    fill(c, "a", 13)
+    fill(c, "b", 6)
+    c.set_precision("a", 1, [0, 3, 7], Precision.INT8)
+    c.set_precision("a", 1, [5, 9], Precision.INT4)
+    c.set_precision("a", 1, [11], Precision.RELEASED)
+    c.set_precision("b", 1, [2], Precision.INT4)
+    q = torch.randn(2, 4, 8)
+    got = c.decode_attention(["a", "b"], 1, q)
+    for i, s in enumerate(("a", "b")):
+        _, k, v = c.gather(s, 1)
+        k, v = k.repeat_interleave(2, 1).double(), v.repeat_interleave(2, 1).double()
+        w = (torch.einsum("hd,thd->ht", q[i].double(), k) / math.sqrt(8)).softmax(-1)
+        torch.testing.assert_close(got[i].double(), torch.einsum("ht,thd->hd", w, v), atol=1e-5, rtol=1e-5)
+
+
+def test_out_of_memory_leaves_state_unchanged():
+    page = 4 * (2 * 2 * 8 * 4 + 4) + 4
+    c = cache(max_bytes=3 * page)
+    c.add_sequence("a")
+    fill(c, "a", 8, layer=0)
+    with pytest.raises(KVCacheOutOfMemory, match="budget exhausted"):
+        fill(c, "a", 8, layer=1)
+    assert c.bytes_used == 2 * page and c.num_kept("a", 1) == 0
+
+
+def test_bad_shapes():
+    c = cache()
+    c.add_sequence("a")
+    with pytest.raises(ValueError, match="k, v must be"):
+        c.append("a", 0, [0, 1], torch.zeros(2, 3, 8), torch.zeros(2, 3, 8))
+    with pytest.raises(ValueError, match="already has"):
+        c.add_sequence("a")
