@@ -55,12 +55,29 @@ def canonical_type(bfcl_type: str | None) -> str | None:
     return _TYPE_MAP[key]
 
 
-def to_json_schema(node: dict[str, Any]) -> dict[str, Any]:
+LANGUAGES = {"simple_java": "java", "simple_javascript": "javascript"}
+
+
+def _is_optional(node: Any) -> bool:
+    return isinstance(node, dict) and str(node.get("optional", "")).lower() == "true"
+
+
+def to_json_schema(node: dict[str, Any], language: str = "python") -> dict[str, Any]:
     """Convert one BFCL schema node (and its children) to JSON Schema.
 
-    Keeps ``description``, ``enum``, ``default``, ``required``, ``properties``, ``items`` and
-    numeric bounds; drops BFCL-only keys (``optional``, ``format`` on non-strings).
+    Keeps ``description``, ``enum``, ``required``, ``properties``, ``items`` and numeric bounds;
+    a property marked ``"optional": true`` leaves ``required``. For ``java`` / ``javascript``
+    functions, as BFCL does, every parameter is a string holding the value's source form (the
+    description names the original type).
     """
+    if language != "python" and isinstance(node.get("properties"), dict):
+        props = {}
+        for name, sub in node["properties"].items():
+            kind = sub.get("type", "any")
+            props[name] = {"type": "string", "description": (sub.get("description", "") + f" This is {language.capitalize()} "
+                           f"{kind} type parameter in string representation.").strip()}
+        required = [r for r in node.get("required", []) if r in props and not _is_optional(node["properties"][r])]
+        return {"type": "object", "properties": props, **({"required": required} if required else {})}
     out: dict[str, Any] = {}
     json_type = canonical_type(node.get("type"))
     if json_type is not None:
@@ -74,7 +91,8 @@ def to_json_schema(node: dict[str, Any]) -> dict[str, Any]:
             out[key] = node[key]
     if json_type == "object" and isinstance(node.get("properties"), dict):
         out["properties"] = {k: to_json_schema(v) for k, v in node["properties"].items()}
-        required = [r for r in node.get("required", []) if r in out["properties"]]
+        required = [r for r in node.get("required", [])
+                    if r in out["properties"] and not _is_optional(node["properties"][r])]
         if required:
             out["required"] = required
     if json_type == "array" and isinstance(node.get("items"), dict):
@@ -82,9 +100,9 @@ def to_json_schema(node: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def to_openai_tool(function: dict[str, Any]) -> dict[str, Any]:
+def to_openai_tool(function: dict[str, Any], language: str = "python") -> dict[str, Any]:
     """A BFCL function definition as an OpenAI ``tools`` entry (``{"type": "function", ...}``)."""
-    params = to_json_schema(function.get("parameters") or {"type": "dict", "properties": {}})
+    params = to_json_schema(function.get("parameters") or {"type": "dict", "properties": {}}, language)
     params.setdefault("type", "object")
     params.setdefault("properties", {})
     return {"type": "function", "function": {
@@ -98,6 +116,7 @@ class BFCLQuestion:
     the category has it, ``ground_truth`` (BFCL possible-answer format)."""
     id: str
     category: str
+    language: str
     messages: list[dict[str, str]]
     functions: list[dict[str, Any]]
     ground_truth: list[dict[str, Any]] | None
@@ -152,7 +171,7 @@ def load_questions(category: str, root: Path | None = None) -> list[BFCLQuestion
         if not (isinstance(turns, list) and turns and isinstance(turns[0], list)):
             raise BFCLDataError(f"{where}: 'question' must be a list of turns")
         functions = [_check_function(fn, where) for fn in row.get("function", [])]
-        out.append(BFCLQuestion(row["id"], category, list(turns[0]), functions,
+        out.append(BFCLQuestion(row["id"], category, LANGUAGES.get(category, "python"), list(turns[0]), functions,
                                 answers.get(row["id"])))
     return out
 

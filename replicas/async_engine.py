@@ -1,0 +1,107 @@
+"""Asynchronous streaming wrapper around :class:`LLMEngine` for a Ray Serve replica (or any
+asyncio server).
+
+The engine steps in one background thread; each request streams its cumulative
+:class:`RequestOutput` s through an asyncio queue of the caller's event loop. A consumer that stops
+iterating (client disconnect, timeout, cancellation) aborts its request, which frees its KV cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from typing import AsyncIterator
+
+from replicas.config import EngineConfig
+from replicas.engine import LLMEngine
+from replicas.grammar import GrammarSpec
+from replicas.sampling_params import SamplingParams
+from replicas.sequence import RequestOutput
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; in-flight requests end with this error."""
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncLLMEngine":
+        return cls(LLMEngine(config))
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None, grammar: GrammarSpec | None = None,
+                       kv_budget: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs until it finishes.
+
+        Raises:
+            InvalidRequestError: from ``LLMEngine.add_request``, before anything is generated.
+            EngineDeadError: the engine loop failed while the request was in flight.
+        """
+        request_id = request_id or f"req-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self.engine.add_request(request_id, prompt, params, grammar, kv_budget)
+            self._queues[request_id] = (loop, queue)
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._queues.pop(request_id, None)
+            self.engine.abort(request_id)
+
+    def _deliver(self, request_id: str, item) -> None:
+        entry = self._queues.get(request_id)
+        if entry is None:
+            return
+        loop, queue = entry
+        if getattr(item, "finished", True):
+            self._queues.pop(request_id, None)
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def _loop(self) -> None:
+        while not self._stopped:
+            if not self.engine.has_unfinished():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            with self._lock:
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:  # a bug in a step must not hang the callers
+                    error = EngineDeadError(f"engine step failed: {type(e).__name__}: {e}")
+                    for rid in list(self._queues):
+                        self.engine.abort(rid)
+                        self._deliver(rid, error)
+                    continue
+                for out in outputs:
+                    self._deliver(out.request_id, out)
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=5)

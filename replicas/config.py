@@ -1,0 +1,49 @@
+"""Engine configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs to start.
+
+    Attributes:
+        model: local Hugging Face checkpoint folder (None: the embedded model).
+        device: "cpu", "cuda", "cuda:N" or "auto" (CUDA when available).
+        dtype: "float32", "bfloat16", "float16" or "auto" (float32 on CPU, bfloat16 on CUDA).
+        kv_cache_bytes: KV pool budget in bytes (pages and block-table entries, all precisions).
+        block_size: tokens per KV page.
+        max_num_seqs: sequences decoded together.
+        max_num_batched_tokens: prompt tokens prefilled per step.
+        max_model_len: longest prompt + output in tokens (None: the model's context length).
+        kv_policy: KV policy name (see ``replicas.policy.POLICIES``).
+        kv_policy_args: keyword arguments of the policy.
+        kv_budget: default total KV budget per request, in (0, 1].
+        tensor_parallel_size: ranks the model is split over.
+        grammar_timeout_s: time bound of one grammar compilation.
+        seed: seed of the engine's sampling generator.
+    """
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    kv_cache_bytes: int = 1 << 30
+    block_size: int = 16
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    kv_policy: str = "full"
+    kv_policy_args: dict = field(default_factory=dict)
+    kv_budget: float = 1.0
+    tensor_parallel_size: int = 1
+    grammar_timeout_s: float = 10.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not 0.0 < self.kv_budget <= 1.0:
+            raise ValueError(f"kv_budget must be in (0, 1], got {self.kv_budget}")
+        if self.kv_cache_bytes <= 0 or self.block_size < 1 or self.tensor_parallel_size < 1:
+            raise ValueError(f"kv_cache_bytes, block_size and tensor_parallel_size must be positive: {self}")

@@ -1,0 +1,230 @@
+"""The engine loop: schedule, run the model, sample, postprocess.
+
+    engine = LLMEngine(EngineConfig())
+    engine.add_request("r1", "Hello", SamplingParams(max_tokens=16))
+    while engine.has_unfinished():
+        for out in engine.step(): ...
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from models import resolve_checkpoint
+from replicas.config import EngineConfig
+from replicas.errors import InvalidRequestError
+from replicas.grammar import GrammarCompiler, GrammarSpec
+from replicas.kv_cache import KVCache, KVCacheConfig
+from replicas.model_runner import ModelRunner
+from replicas.models import load_model
+from replicas.policy import DecodeView, KVAction, PrefillView, make_policy
+from replicas.sampler import sample
+from replicas.sampling_params import SamplingParams
+from replicas.scheduler import Scheduler, SchedulerConfig
+from replicas.sequence import RequestOutput, Sequence, SequenceStatus
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_rank(config: EngineConfig, rank: int, world_size: int, port: int) -> tuple[ModelRunner, KVCache]:
+    """Load the model shard and KV cache of one tensor-parallel rank (the whole model at TP=1)."""
+    from replicas import tp
+    device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available()
+                          else ("cpu" if config.device == "auto" else config.device))
+    if device.type == "cuda" and world_size > 1:
+        device = torch.device("cuda", rank)
+    dtype = _DTYPES.get(config.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = load_model(resolve_checkpoint(config.model), dtype, device)
+    mc = model.config
+    if world_size > 1:
+        tp.init_distributed(rank, world_size, port, device)
+        tp.shard_model(model, rank, world_size)
+    kv = KVCache(KVCacheConfig(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads // world_size,
+                               head_dim=mc.head_dim, dtype=dtype, block_size=config.block_size,
+                               max_bytes=config.kv_cache_bytes, device=str(device)))
+    return ModelRunner(model, kv, device), kv
+
+
+class LLMEngine:
+    """Continuous-batching engine over a compressible KV cache (one process, one rank)."""
+
+    def __init__(self, config: EngineConfig):
+        from transformers import AutoTokenizer
+        from replicas import tp
+        self.config = config
+        path = resolve_checkpoint(config.model)
+        world = config.tensor_parallel_size
+        self._workers: list = []
+        port = tp.free_port() if world > 1 else 0
+        if world > 1:
+            self._workers = tp.start_workers(world, port, config)
+        self.runner, self.kv = build_rank(config, 0, world, port)
+        self.model, self.device = self.runner.model, self.runner.device
+        if world > 1:
+            broadcaster = tp.Broadcaster()
+            self.kv = tp.MirroredKVCache(self.kv, broadcaster)
+            self.runner = tp.MirroredRunner(self.runner, broadcaster)
+        mc = self.model.config
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.eos_token_ids = set(mc.eos_token_ids) | self._generation_eos(path)
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
+        self.policy = make_policy(config.kv_policy, **config.kv_policy_args)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self._grammar: GrammarCompiler | None = None
+        self._seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (no-op with one rank)."""
+        if self._workers:
+            import torch.distributed as dist
+            dist.broadcast_object_list([("stop", ())], src=0)
+            for p in self._workers:
+                p.join(timeout=30)
+            dist.destroy_process_group()
+            self._workers = []
+
+    @staticmethod
+    def _generation_eos(path: Path) -> set[int]:
+        f = path / "generation_config.json"
+        eos = json.loads(f.read_text()).get("eos_token_id") if f.is_file() else None
+        return set(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+
+    @property
+    def grammar(self) -> GrammarCompiler:
+        if self._grammar is None:
+            self._grammar = GrammarCompiler(self.tokenizer, self.model.config.vocab_size,
+                                            self.config.grammar_timeout_s)
+        return self._grammar
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    grammar: GrammarSpec | None = None, kv_budget: float | None = None) -> None:
+        """Queue a request.
+
+        Raises:
+            InvalidRequestError: duplicate id, empty prompt, token ids outside the vocabulary, prompt
+                plus ``max_tokens`` longer than the context or than the KV pool, a budget outside
+                (0, 1]; ``GrammarCompileError`` (a subclass) for a grammar that does not compile.
+        """
+        params = params or SamplingParams()
+        if request_id in self._seqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight")
+        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"] if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt has token ids outside [0, {vocab}): {bad[:5]}")
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                                      f"exceeds the context length of {self.max_model_len} tokens")
+        if self.kv.full_kv_bytes(total) > self.kv.cfg.max_bytes:
+            raise InvalidRequestError(f"prompt plus max_tokens ({total} tokens) does not fit the KV pool "
+                                      f"of {self.kv.cfg.max_bytes} bytes")
+        budget = self.config.kv_budget if kv_budget is None else kv_budget
+        if not 0.0 < budget <= 1.0:
+            raise InvalidRequestError(f"kv_budget must be in (0, 1], got {budget}")
+        matcher = self.grammar.matcher(grammar) if grammar is not None else None
+        seq = Sequence(request_id, ids, params, matcher=matcher, kv_budget=budget,
+                       generator=torch.Generator().manual_seed(params.seed) if params.seed is not None else None)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its KV cache; None if it is not in flight."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        self._finish(seq, "abort")
+        return RequestOutput.of(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        """Run one prefill or decode step; return the outputs of the sequences it advanced."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        seqs = sched.prefill or sched.decode
+        logits = self._prefill(seqs) if sched.prefill else self._decode(seqs)
+        self.grammar_mask(logits, seqs)
+        tokens = sample(logits, seqs, self.generator)
+        return [self._postprocess(s, t) for s, t in zip(seqs, tokens)]
+
+    def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        rows = []
+        for seq in seqs:
+            logits, queries = self.runner.prefill(seq, self.policy.observation_window)
+            rows.append(logits)
+            view = PrefillView(seq, self.kv, seq.num_tokens, queries, seq.kv_budget)
+            self._apply(seq, self.policy.on_prefill(view))
+        return torch.stack(rows)
+
+    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        logits = self.runner.decode(seqs)
+        for seq in seqs:
+            self._apply(seq, self.policy.on_decode(DecodeView(seq, self.kv, seq.num_tokens - 1, seq.kv_budget)))
+        return logits
+
+    def _apply(self, seq: Sequence, actions: list[KVAction]) -> None:
+        for a in actions:
+            self.kv.set_precision(seq.request_id, a.layer, a.positions, a.precision)
+
+    def grammar_mask(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        if any(s.matcher is not None for s in seqs):
+            self.grammar.apply_bitmask(logits, [s.matcher for s in seqs])
+
+    def _postprocess(self, seq: Sequence, token: int) -> RequestOutput:
+        m, now = seq.metrics, time.monotonic()
+        m.first_token_s = m.first_token_s or now
+        held = self.kv.sequence_bytes(seq.request_id)
+        m.kv_bytes_peak = max(m.kv_bytes_peak, held)
+        ratio = held / self.kv.full_kv_bytes(seq.num_tokens)
+        m.kv_ratio_sum, m.kv_ratio_max, m.num_steps = m.kv_ratio_sum + ratio, max(m.kv_ratio_max, ratio), m.num_steps + 1
+        seq.output_token_ids.append(token)
+        p = seq.params
+        if seq.matcher is not None and not seq.matcher.is_terminated():
+            seq.matcher.accept_token(token)
+        stop_token = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        visible = seq.output_token_ids[:-1] if stop_token else seq.output_token_ids
+        seq.text = self.tokenizer.decode(visible, skip_special_tokens=True)
+        hits = [i for i in (seq.text.find(s) for s in p.stop) if i >= 0]
+        if hits:
+            seq.text = seq.text[: min(hits)]
+            self._finish(seq, "stop")
+        elif stop_token or (seq.matcher is not None and seq.matcher.is_terminated()):
+            self._finish(seq, "stop")
+        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            self._finish(seq, "length")
+        return RequestOutput.of(seq)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        seq.metrics.finished_s = time.monotonic()
+        self.scheduler.remove(seq)
+        self._seqs.pop(seq.request_id, None)
+
+    # ------------------------------------------------------------------ convenience
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None,
+                 grammars: list[GrammarSpec | None] | None = None) -> list[RequestOutput]:
+        """Run ``prompts`` to completion (batched) and return their final outputs in order."""
+        ids = [f"generate-{next(self._ids)}" for _ in prompts]
+        for i, (rid, prompt) in enumerate(zip(ids, prompts)):
+            self.add_request(rid, prompt, params, grammars[i] if grammars else None)
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[r] for r in ids]

@@ -1,0 +1,10 @@
+"""Errors the engine raises for bad requests (the API layer maps them to HTTP 400)."""
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses before doing any work: the message says what and where."""
+
+
+class GrammarCompileError(InvalidRequestError):
+    """A grammar (JSON schema, regex, EBNF, tools) that cannot be compiled, with xgrammar's message,
+    or whose compilation ran past the time bound."""

@@ -1,0 +1,57 @@
+"""Runs the model over the KV cache: prefill (one sequence at a time, causal SDPA) and batched
+decode (one token per sequence, paged attention over the kept HIGH + LOW entries)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from replicas.kv_cache import KVCache
+from replicas.models import CausalLM
+from replicas.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv: KVCache, device: torch.device):
+        self.model, self.kv, self.device = model, kv, device
+
+    @torch.inference_mode()
+    def prefill(self, seq: Sequence, observation_window: int = 0) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Prefill all of ``seq``'s tokens (an empty cache), store their KV at HIGH precision.
+
+        Returns the next-token logits ``[vocab]`` float32 and, per layer, the queries of the last
+        ``observation_window`` tokens ``[w, Hq, D]``.
+        """
+        ids = torch.tensor(seq.all_token_ids, dtype=torch.long, device=self.device)
+        n = ids.shape[0]
+        positions = torch.arange(n, device=self.device)
+        queries: dict[int, torch.Tensor] = {}
+
+        def attention(layer: int, q, k, v):
+            self.kv.append(seq.request_id, layer, range(n), k, v)
+            if observation_window:
+                queries[layer] = q[-observation_window:].clone()
+            out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                 is_causal=True, enable_gqa=True)
+            return out.transpose(0, 1)
+
+        hidden = self.model(ids, positions, attention)
+        return self.model.logits(hidden[-1:])[0], queries
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One decode step for ``seqs``: each feeds its last token at its true position.
+
+        Returns next-token logits ``[B, vocab]`` float32.
+        """
+        ids = torch.tensor([s.all_token_ids[-1] for s in seqs], dtype=torch.long, device=self.device)
+        pos = [s.num_tokens - 1 for s in seqs]
+        positions = torch.tensor(pos, device=self.device)
+        seq_ids = [s.request_id for s in seqs]
+
+        def attention(layer: int, q, k, v):
+            for i, sid in enumerate(seq_ids):
+                self.kv.append(sid, layer, (pos[i],), k[i:i + 1], v[i:i + 1])
+            return self.kv.decode_attention(seq_ids, layer, q)
+
+        return self.model.logits(self.model(ids, positions, attention))

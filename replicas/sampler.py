@@ -1,0 +1,29 @@
+"""Greedy and temperature / top-p sampling, per-request seeded."""
+
+from __future__ import annotations
+
+import torch
+
+from replicas.sequence import Sequence
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator) -> list[int]:
+    """Pick one token per row of ``logits [B, vocab]`` (float32, already grammar-masked).
+
+    Greedy rows take the argmax; others sample from softmax(logits / T) restricted to the
+    smallest set of tokens whose mass reaches top_p, with the request's own generator when it
+    gave a seed, else ``generator``.
+    """
+    out = logits.argmax(dim=-1).tolist()
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if p.greedy:
+            continue
+        probs = torch.softmax(logits[i] / p.temperature, dim=-1)
+        if p.top_p < 1.0:
+            sorted_p, order = probs.sort(descending=True)
+            keep = sorted_p.cumsum(0) - sorted_p < p.top_p
+            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
+        gen = seq.generator or generator
+        out[i] = int(torch.multinomial(probs.cpu(), 1, generator=gen).item())
+    return out

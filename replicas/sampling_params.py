@@ -1,0 +1,47 @@
+"""Per-request decoding settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from replicas.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to decode one request.
+
+    Attributes:
+        max_tokens: most tokens to generate (>= 1).
+        temperature: 0 for greedy; otherwise softmax temperature.
+        top_p: nucleus sampling mass in (0, 1].
+        seed: per-request seed for reproducible sampling (None: the engine's generator).
+        stop: strings that end generation (not included in the output text).
+        stop_token_ids: extra token ids that end generation.
+        ignore_eos: keep generating past EOS (benchmarks).
+    Raises:
+        InvalidRequestError: a value out of range.
+    """
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not self.temperature >= 0.0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty strings")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

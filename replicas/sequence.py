@@ -1,0 +1,90 @@
+"""A request's state inside the engine, and what the engine returns for it."""
+
+from __future__ import annotations
+
+import copy
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from replicas.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    """Timings (seconds, ``time.monotonic``) and KV usage of one request.
+
+    ``kv_ratio_*`` are bytes held / bytes full KV would hold for the same tokens, sampled after
+    every step of the request (the "total KV budget" ratio).
+    """
+    arrival_s: float
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    kv_bytes_peak: int = 0
+    kv_ratio_sum: float = 0.0
+    kv_ratio_max: float = 0.0
+    num_steps: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def kv_ratio_mean(self) -> float:
+        return self.kv_ratio_sum / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+
+@dataclass
+class Sequence:
+    """One request: prompt, output so far, decoding state (grammar matcher, RNG) and metrics."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    matcher: Any = None                       # xgrammar.GrammarMatcher or None
+    kv_budget: float = 1.0                    # total KV budget (fraction of full KV)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    text: str = ""
+    generator: torch.Generator | None = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+    policy_state: dict = field(default_factory=dict)  # owned by the KV policy (tags, scores ...)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What the engine reports for a request after a step (cumulative, not a delta)."""
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    metrics: RequestMetrics
+
+    @classmethod
+    def of(cls, seq: Sequence) -> "RequestOutput":
+        return cls(seq.request_id, seq.text, list(seq.output_token_ids), seq.is_finished,
+                   seq.finish_reason, len(seq.prompt_token_ids), copy.copy(seq.metrics))

@@ -1,0 +1,149 @@
+"""Tensor parallelism: attention heads and MLP columns split across ranks (Megatron layout),
+applied to the unchanged model as a function (gpt-fast's ``apply_tp``), all-reduce through
+``torch.distributed`` (gloo on CPU, nccl on CUDA). The KV cache of each rank holds its KV heads.
+
+Rank 0 runs the engine; ranks 1..N-1 are worker processes that mirror every model-runner call
+and every KV cache mutation, which rank 0 broadcasts before running it itself. All ranks compute
+the same logits (the LM head is replicated), so only rank 0 samples.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from replicas.models import CausalLM
+
+
+def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(x)
+    return x
+
+
+def shard_model(model: CausalLM, rank: int, world_size: int) -> CausalLM:
+    """Keep this rank's slice of every attention and MLP weight, in place.
+
+    q / k / v projections and MLP gate / up keep rows (output features) of this rank's heads /
+    columns; o_proj and down_proj keep the matching input columns and all-reduce their output.
+
+    Raises:
+        ValueError: KV heads or the MLP width not divisible by ``world_size``.
+    """
+    cfg = model.config
+    if cfg.num_kv_heads % world_size or cfg.intermediate_size % world_size:
+        raise ValueError(f"tensor_parallel_size {world_size} must divide num_kv_heads ({cfg.num_kv_heads}) "
+                         f"and intermediate_size ({cfg.intermediate_size})")
+    if world_size == 1:
+        return model
+
+    def rows(linear, n):
+        part = linear.weight.shape[0] // n
+        linear.weight = torch.nn.Parameter(linear.weight[rank * part:(rank + 1) * part].clone(), requires_grad=False)
+        if linear.bias is not None:
+            linear.bias = torch.nn.Parameter(linear.bias[rank * part:(rank + 1) * part].clone(), requires_grad=False)
+
+    def cols(linear, n):
+        part = linear.weight.shape[1] // n
+        linear.weight = torch.nn.Parameter(linear.weight[:, rank * part:(rank + 1) * part].clone(), requires_grad=False)
+
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for lin in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+            rows(lin, world_size)
+        cols(attn.o_proj, world_size)
+        cols(mlp.down_proj, world_size)
+        attn.reduce = mlp.reduce = _all_reduce
+    return model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(rank: int, world_size: int, port: int, device: torch.device) -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+
+
+class Broadcaster:
+    """Rank 0's side: sends each call to the workers, which replay it on their shard."""
+
+    def send(self, method: str, *args: Any) -> None:
+        dist.broadcast_object_list([(method, args)], src=0)
+
+
+class MirroredKVCache:
+    """Rank 0's KV cache: mutations are broadcast to the workers before being applied locally."""
+
+    MUTATIONS = ("add_sequence", "free_sequence", "set_precision")
+
+    def __init__(self, local, broadcaster: Broadcaster):
+        self._local, self._bcast = local, broadcaster
+
+    def __getattr__(self, name):
+        attr = getattr(self._local, name)
+        if name in self.MUTATIONS:
+            def mirrored(*args):
+                self._bcast.send("kv." + name, *args)
+                return attr(*args)
+            return mirrored
+        return attr
+
+
+class MirroredRunner:
+    """Rank 0's model runner: prefill / decode are broadcast, then run locally."""
+
+    def __init__(self, local, broadcaster: Broadcaster):
+        self._local, self._bcast = local, broadcaster
+
+    def prefill(self, seq, observation_window: int = 0):
+        self._bcast.send("prefill", seq.request_id, seq.all_token_ids, observation_window)
+        return self._local.prefill(seq, observation_window)
+
+    def decode(self, seqs):
+        self._bcast.send("decode", [(s.request_id, s.all_token_ids[-1], s.num_tokens) for s in seqs])
+        return self._local.decode(seqs)
+
+
+class _Stub:
+    """What a worker's runner needs of a sequence."""
+
+    def __init__(self, request_id, token_ids):
+        self.request_id, self.all_token_ids, self.num_tokens = request_id, token_ids, len(token_ids)
+
+
+def worker_main(rank: int, world_size: int, port: int, config) -> None:
+    """A worker rank: build the shard, then replay rank 0's calls until told to stop."""
+    from replicas.engine import build_rank
+    torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+    runner, kv = build_rank(config, rank, world_size, port)
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        method, args = box[0]
+        if method == "stop":
+            break
+        if method.startswith("kv."):
+            getattr(kv, method[3:])(*args)
+        elif method == "prefill":
+            runner.prefill(_Stub(args[0], args[1]), args[2])
+        elif method == "decode":
+            runner.decode([_Stub(rid, [tok] * n) for rid, tok, n in args[0]])
+    dist.destroy_process_group()
+
+
+def start_workers(world_size: int, port: int, config) -> list:
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=worker_main, args=(r, world_size, port, config), daemon=True)
+             for r in range(1, world_size)]
+    for p in procs:
+        p.start()
+    return procs

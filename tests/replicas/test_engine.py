@@ -1,0 +1,117 @@
+"""The engine loop: equality with transformers' greedy output, batching, preemption, abort,
+stop conditions, seeded sampling, bad input."""
+
+import pytest
+import torch
+
+from replicas.config import EngineConfig
+from replicas.engine import LLMEngine
+from replicas.errors import InvalidRequestError
+from replicas.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(engine):
+    from transformers import AutoModelForCausalLM
+    from models import resolve_checkpoint
+    hf = AutoModelForCausalLM.from_pretrained(resolve_checkpoint(), dtype=torch.float32).eval()
+
+    def run(ids, n):
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+        return out[0, len(ids):].tolist()
+    return run
+
+
+def test_greedy_equals_transformers_batched(engine, chat_prompts, hf_greedy):
+    outs = engine.generate(chat_prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    for ids, out in zip(chat_prompts, outs):
+        assert out.token_ids == hf_greedy(ids, 24)
+        assert out.finish_reason == "length"
+        assert out.metrics.kv_ratio_max == pytest.approx(1.0)
+    assert engine.kv.bytes_used == 0
+
+
+def test_requests_joining_mid_flight_match_solo_runs(engine, chat_prompts):
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    solo = [engine.generate([p], params)[0].token_ids for p in chat_prompts[:3]]
+    engine.add_request("late-0", chat_prompts[0], params)
+    got = {}
+    for i in range(40):
+        if i == 3:
+            engine.add_request("late-1", chat_prompts[1], params)
+        if i == 6:
+            engine.add_request("late-2", chat_prompts[2], params)
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = out.token_ids
+    assert [got[f"late-{i}"] for i in range(3)] == solo
+
+
+def test_preemption_recomputes_and_keeps_output(engine, chat_prompts):
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    prompts = [chat_prompts[0], chat_prompts[0][:-1], chat_prompts[0][:-2]]
+    want = [o.token_ids for o in engine.generate(prompts, params)]
+    # Room for all prompts at once, but not for all of them grown by 100 tokens.
+    tight = LLMEngine(EngineConfig(kv_cache_bytes=int(engine.kv.full_kv_bytes(len(prompts[0]) + 100) * 1.6)))
+    outs = tight.generate(prompts, params)
+    assert [o.token_ids for o in outs] == want
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    assert tight.kv.bytes_used == 0
+
+
+def test_abort_frees_kv(engine, chat_prompts):
+    engine.add_request("to-abort", chat_prompts[0], SamplingParams(max_tokens=50))
+    engine.step()
+    assert engine.kv.bytes_used > 0
+    out = engine.abort("to-abort")
+    assert out.finish_reason == "abort" and out.finished
+    assert engine.kv.bytes_used == 0 and not engine.has_unfinished()
+    assert engine.abort("to-abort") is None
+
+
+def test_stop_string_and_eos(engine, chat_prompts):
+    free = engine.generate([chat_prompts[0]], SamplingParams(max_tokens=40))[0]
+    assert free.finish_reason in ("stop", "length")
+    if len(free.text) > 4:
+        stop = free.text[2:4]
+        cut = engine.generate([chat_prompts[0]], SamplingParams(max_tokens=40, stop=(stop,)))[0]
+        assert cut.finish_reason == "stop" and cut.text == free.text[: free.text.find(stop)]
+
+
+def test_seeded_sampling_is_reproducible(engine, chat_prompts):
+    p = dict(max_tokens=16, temperature=1.0, top_p=0.9, ignore_eos=True)
+    a = engine.generate([chat_prompts[3]], SamplingParams(seed=1, **p))[0].token_ids
+    b = engine.generate([chat_prompts[3]], SamplingParams(seed=1, **p))[0].token_ids
+    c = engine.generate([chat_prompts[3]], SamplingParams(seed=2, **p))[0].token_ids
+    d = engine.generate([chat_prompts[3]], SamplingParams(seed=3, **p))[0].token_ids
+    assert a == b
+    assert len({tuple(a), tuple(c), tuple(d)}) > 1
+
+
+@pytest.mark.parametrize("prompt,params,match", [
+    ([], None, "prompt is empty"),
+    ("", None, "prompt is empty"),
+    ([1, 2, 99999], None, "outside"),
+    ([1, -3], None, "outside"),
+    ([5] * 4000, SamplingParams(max_tokens=200), "exceeds the context length"),
+])
+def test_bad_requests_are_refused_and_engine_keeps_serving(engine, chat_prompts, prompt, params, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        engine.add_request("bad", prompt, params)
+    assert engine.generate([chat_prompts[0]], SamplingParams(max_tokens=3))[0].finished
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-1), "max_tokens"),
+                                          (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p")])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_duplicate_request_id(engine, chat_prompts):
+    engine.add_request("dup", chat_prompts[0], SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="already in flight"):
+        engine.add_request("dup", chat_prompts[0])
+    while engine.has_unfinished():
+        engine.step()
