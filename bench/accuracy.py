@@ -23,8 +23,7 @@ from tqdm import tqdm
 
 from models import CheckpointNotFoundError, bfcl, chat, resolve_checkpoint, synth
 from models.checker import check
-
-POLICIES = ("full",)
+from replicas.policies import POLICIES
 SPLITS = ("dev", "test", "bfcl")
 
 
@@ -144,7 +143,7 @@ def format_table(summary: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.accuracy", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--policy", default="full", choices=POLICIES, help="KV policy")
+    ap.add_argument("--policy", default="full", choices=list(POLICIES), help="KV policy")
     ap.add_argument("--budget", type=float, default=1.0, help="total KV budget (fraction of full KV)")
     ap.add_argument("--split", default="test", choices=SPLITS)
     ap.add_argument("--category", action="append", help="category (repeatable); default: all of the split")

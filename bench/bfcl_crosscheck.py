@@ -47,18 +47,35 @@ def _official_checker():
     return official
 
 
-def reference_calls(truth: list[dict]) -> list[dict[str, Any]]:
-    """One answer the ground truth accepts: the first non-optional allowed value of each parameter."""
+def reference_calls(truth: list[dict], language: str = "python", skip_optional: bool = True) -> list[dict[str, Any]]:
+    """One answer the ground truth accepts.
+
+    Each parameter takes its first allowed value; ``""`` (BFCL: "may be left out") omits it, or,
+    with ``skip_optional``, the next value is taken instead. For Java / JavaScript the values are
+    written in their source form, as strings, which is how BFCL expects models to answer.
+    """
     calls = []
     for entry in truth:
         (name, params), = entry.items()
         args = {}
         for p, options in params.items():
-            value = next((o for o in options if o != ""), None)
+            if skip_optional:
+                value = next((o for o in options if o != ""), None)
+            else:
+                value = options[0] if options and options[0] != "" else None
             if value is not None:
-                args[p] = _first_of_nested(value)
+                value = _first_of_nested(value)
+                args[p] = value if language == "python" else _source_form(value)
         calls.append({"name": name, "arguments": args})
     return calls
+
+
+def _source_form(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value)
 
 
 def _first_of_nested(value: Any) -> Any:

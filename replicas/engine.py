@@ -19,10 +19,11 @@ from models import resolve_checkpoint
 from replicas.config import EngineConfig
 from replicas.errors import InvalidRequestError
 from replicas.grammar import GrammarCompiler, GrammarSpec
-from replicas.kv_cache import KVCache, KVCacheConfig
+from replicas.kv_cache import KVCache, KVCacheConfig, Precision
 from replicas.model_runner import ModelRunner
 from replicas.models import load_model
-from replicas.policy import DecodeView, KVAction, PrefillView, make_policy
+from replicas.policies import make_policy
+from replicas.policy import DecodeView, KVAction, PrefillView
 from replicas.sampler import sample
 from replicas.sampling_params import SamplingParams
 from replicas.scheduler import Scheduler, SchedulerConfig
@@ -133,6 +134,10 @@ class LLMEngine:
         budget = self.config.kv_budget if kv_budget is None else kv_budget
         if not 0.0 < budget <= 1.0:
             raise InvalidRequestError(f"kv_budget must be in (0, 1], got {budget}")
+        try:
+            self.policy.check(len(ids), budget, self.kv)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
         matcher = self.grammar.matcher(grammar) if grammar is not None else None
         seq = Sequence(request_id, ids, params, matcher=matcher, kv_budget=budget,
                        generator=torch.Generator().manual_seed(params.seed) if params.seed is not None else None)
@@ -151,6 +156,7 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     # ------------------------------------------------------------------ the loop
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one prefill or decode step; return the outputs of the sequences it advanced."""
         sched = self.scheduler.schedule()
@@ -172,14 +178,33 @@ class LLMEngine:
         return torch.stack(rows)
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        logits = self.runner.decode(seqs)
-        for seq in seqs:
-            self._apply(seq, self.policy.on_decode(DecodeView(seq, self.kv, seq.num_tokens - 1, seq.kv_budget)))
+        logits, queries = self.runner.decode(seqs, self.policy.record_decode_queries)
+        for i, seq in enumerate(seqs):
+            view = DecodeView(seq, self.kv, seq.num_tokens - 1, seq.kv_budget, {l: q[i] for l, q in queries.items()})
+            self._apply(seq, self.policy.on_decode(view))
         return logits
 
     def _apply(self, seq: Sequence, actions: list[KVAction]) -> None:
         for a in actions:
             self.kv.set_precision(seq.request_id, a.layer, a.positions, a.precision)
+        self._hold_to_budget(seq)
+
+    def _hold_to_budget(self, seq: Sequence) -> None:
+        """The engine's guarantee: bytes held <= budget x full-KV bytes after every step. A policy
+        that leaves a sequence above it has its oldest entries released here (counted in
+        ``metrics.budget_fallbacks``; the baselines and PASK never need it)."""
+        kv, rid = self.kv, seq.request_id
+        allowed = seq.kv_budget * kv.full_kv_bytes(seq.num_tokens)
+        if kv.sequence_bytes(rid) <= allowed + 1e-6:
+            return
+        seq.metrics.budget_fallbacks += 1
+        layers = range(kv.cfg.num_layers)
+        while kv.sequence_bytes(rid) > allowed + 1e-6:
+            layer = max(layers, key=lambda l: kv.num_kept(rid, l))
+            oldest = sorted(kv.kept(rid, layer))[: kv.cfg.block_size]
+            if not oldest:
+                break
+            kv.set_precision(rid, layer, oldest, Precision.RELEASED)
 
     def grammar_mask(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         if any(s.matcher is not None for s in seqs):

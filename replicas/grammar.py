@@ -43,10 +43,11 @@ class GrammarSpec:
 
 
 def tools_structural_tag(tools: list[dict], tool_choice: Any = "auto", parallel_tool_calls: bool = True):
-    """The xgrammar structural tag for Qwen3-format tool calls."""
+    """The xgrammar structural tag for Qwen3-format tool calls (arguments' keys in any order, as
+    JSON allows)."""
     import xgrammar as xgr
     return xgr.get_model_structural_tag("qwen_3", tools=tools, tool_choice=tool_choice, reasoning=False,
-                                        parallel_tool_calls=parallel_tool_calls)
+                                        parallel_tool_calls=parallel_tool_calls, any_order=True)
 
 
 class GrammarCompiler:

@@ -39,19 +39,24 @@ class ModelRunner:
         return self.model.logits(hidden[-1:])[0], queries
 
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+    def decode(self, seqs: list[Sequence], record_queries: bool = False):
         """One decode step for ``seqs``: each feeds its last token at its true position.
 
-        Returns next-token logits ``[B, vocab]`` float32.
+        Returns next-token logits ``[B, vocab]`` float32 and, when ``record_queries``, per layer
+        the step's queries ``[B, Hq, D]`` (else an empty dict).
         """
         ids = torch.tensor([s.all_token_ids[-1] for s in seqs], dtype=torch.long, device=self.device)
         pos = [s.num_tokens - 1 for s in seqs]
         positions = torch.tensor(pos, device=self.device)
         seq_ids = [s.request_id for s in seqs]
 
+        queries: dict[int, torch.Tensor] = {}
+
         def attention(layer: int, q, k, v):
             for i, sid in enumerate(seq_ids):
                 self.kv.append(sid, layer, (pos[i],), k[i:i + 1], v[i:i + 1])
+            if record_queries:
+                queries[layer] = q.clone()
             return self.kv.decode_attention(seq_ids, layer, q)
 
-        return self.model.logits(self.model(ids, positions, attention))
+        return self.model.logits(self.model(ids, positions, attention)), queries

@@ -49,17 +49,28 @@ class PrefillView:
 
 @dataclass
 class DecodeView:
-    """What a policy sees after a decode step of one sequence (``position`` is the new token's)."""
+    """What a policy sees after a decode step of one sequence (``position`` is the new token's;
+    ``queries``: layer -> ``[Hq, D]`` query of that token, when the policy asked for them)."""
     seq: Sequence
     kv: KVCache
     position: int
     budget: float
+    queries: dict[int, torch.Tensor]
 
 
 class KVPolicy:
-    """Base class. ``observation_window``: prompt queries to record per layer for ``on_prefill``."""
+    """Base class. ``observation_window``: prompt queries to record per layer for ``on_prefill``;
+    ``record_decode_queries``: pass each decode step's queries to ``on_decode``."""
     name = "base"
     observation_window = 0
+    record_decode_queries = False
+
+    def check(self, num_prompt_tokens: int, budget: float, kv: KVCache) -> None:
+        """Refuse, before any work, a request whose budget this policy cannot meet.
+
+        Raises:
+            ValueError: the message says which setting conflicts with the budget.
+        """
 
     def on_prefill(self, view: PrefillView) -> list[KVAction]:
         return []
@@ -72,16 +83,6 @@ class FullKV(KVPolicy):
     """Keep every entry at HIGH precision (the reference policy)."""
     name = "full"
 
-
-POLICIES: dict[str, type[KVPolicy]] = {"full": FullKV}
-
-
-def make_policy(name: str, **kwargs) -> KVPolicy:
-    """Instantiate a registered policy.
-
-    Raises:
-        ValueError: an unknown policy name (the message lists the known ones).
-    """
-    if name not in POLICIES:
-        raise ValueError(f"unknown KV policy {name!r}; choose from {', '.join(sorted(POLICIES))}")
-    return POLICIES[name](**kwargs)
+    def check(self, num_prompt_tokens, budget, kv):
+        if budget < 1.0:
+            raise ValueError(f"policy 'full' keeps all KV and cannot meet a budget of {budget}")

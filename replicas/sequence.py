@@ -34,6 +34,7 @@ class RequestMetrics:
     kv_ratio_max: float = 0.0
     num_steps: int = 0
     num_preemptions: int = 0
+    budget_fallbacks: int = 0
 
     @property
     def kv_ratio_mean(self) -> float:

@@ -108,9 +108,9 @@ class MirroredRunner:
         self._bcast.send("prefill", seq.request_id, seq.all_token_ids, observation_window)
         return self._local.prefill(seq, observation_window)
 
-    def decode(self, seqs):
+    def decode(self, seqs, record_queries: bool = False):
         self._bcast.send("decode", [(s.request_id, s.all_token_ids[-1], s.num_tokens) for s in seqs])
-        return self._local.decode(seqs)
+        return self._local.decode(seqs, record_queries)
 
 
 class _Stub:

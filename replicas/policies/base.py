@@ -1,0 +1,137 @@
+"""Shared machinery of score-based eviction policies (kvpress's ``ScorerPress`` pattern).
+
+A policy scores every kept token of every layer (higher = keep); after prefill and after each
+decode step, each layer keeps its highest-scoring tokens within its share of the total budget.
+
+Budget (see ``docs`` and design section 6): a sequence of ``n`` tokens may hold at most
+``floor(b * L * ceil(n / block_size))`` pages over its ``L`` layers, i.e. bytes held / bytes full
+KV would hold <= b, checked after every step. :meth:`ScoredPolicy.layer_pages` splits the pages over
+layers (uniformly here; PyramidKV overrides it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from replicas.kv_cache import KVCache, Precision
+from replicas.policy import DecodeView, KVAction, KVPolicy, PrefillView
+from replicas.sequence import Sequence
+
+KEEP = 1e30  # score of tokens a policy protects (sinks, observation window ...)
+
+
+def total_pages(budget: float, num_layers: int, num_tokens: int, block_size: int) -> int:
+    """Pages a sequence of ``num_tokens`` may hold over all layers at total budget ``budget``."""
+    return math.floor(budget * num_layers * math.ceil(num_tokens / block_size) + 1e-9)
+
+
+def split_evenly(total: int, parts: int) -> list[int]:
+    base, extra = divmod(total, parts)
+    return [base + (i < extra) for i in range(parts)]
+
+
+def attention_probs(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor,
+                    chunk: int = 256) -> torch.Tensor:
+    """Causal softmax attention of queries over keys, summed over query heads and queries.
+
+    Args:
+        q: ``[w, Hq, D]`` queries at positions ``q_pos [w]``; k: ``[n, Hkv, D]`` at ``k_pos [n]``.
+    Returns ``[n]`` float32: total attention each key received.
+    """
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    keys = k.float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)      # [Hq, n, D]
+    total = torch.zeros(k.shape[0], dtype=torch.float32)
+    for s in range(0, q.shape[0], chunk):
+        qc = q[s:s + chunk].float().transpose(0, 1)                             # [Hq, c, D]
+        scores = qc @ keys.transpose(1, 2) / math.sqrt(d)                      # [Hq, c, n]
+        future = k_pos[None, :] > q_pos[s:s + chunk, None]
+        scores = scores.masked_fill(future[None], float("-inf"))
+        total += scores.softmax(-1).sum(dim=(0, 1)).cpu()
+    return total
+
+
+class ScoredPolicy(KVPolicy):
+    """Keep the top-scoring tokens of each layer within its page quota.
+
+    ``block_size`` (tokens per page) is set by the engine from its KV cache.
+
+    Subclasses fill ``seq.policy_state["scores"][layer]``, a float tensor indexed by position:
+    :meth:`prefill_scores` after prefill, :meth:`decode_score` for each new token (and may update
+    earlier scores, as H2O does, in :meth:`observe_decode`).
+    """
+
+    block_size = 16
+
+    def layer_pages(self, num_layers: int, pages: int) -> list[int]:
+        return split_evenly(pages, num_layers)
+
+    def min_tokens_per_layer(self) -> int:
+        """Tokens every layer must be able to keep (e.g. attention sinks)."""
+        return 1
+
+    def check(self, num_prompt_tokens: int, budget: float, kv: KVCache) -> None:
+        cfg = kv.cfg
+        self.block_size = cfg.block_size
+        pages = total_pages(budget, cfg.num_layers, num_prompt_tokens, cfg.block_size)
+        fewest = min(self.layer_pages(cfg.num_layers, pages)) * cfg.block_size
+        if fewest < self.min_tokens_per_layer():
+            raise ValueError(f"policy {self.name!r} needs {self.min_tokens_per_layer()} tokens per layer, but a "
+                             f"budget of {budget} on a {num_prompt_tokens}-token prompt leaves {fewest} "
+                             f"in some layer ({pages} pages of {cfg.block_size} tokens over {cfg.num_layers} layers)")
+
+    def prefill_scores(self, view: PrefillView, layer: int, positions: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode_score(self, view: DecodeView, layer: int) -> float:
+        """Score of the new token (default: recency, below protected tokens)."""
+        return float(view.position)
+
+    def observe_decode(self, view: DecodeView) -> None:
+        """Hook for policies that update scores from decode attention."""
+
+    def protected(self, seq: Sequence, layer: int, positions: torch.Tensor, num_tokens: int,
+                  quota_tokens: int) -> torch.Tensor | None:
+        """Boolean mask of ``positions`` kept before any scored token (e.g. a recent window)."""
+        return None
+
+    # -------------------------------------------------------------- hooks of the engine
+    def on_prefill(self, view: PrefillView) -> list[KVAction]:
+        n = view.num_prefilled
+        positions = torch.arange(n)
+        view.seq.policy_state["scores"] = {
+            layer: self.prefill_scores(view, layer, positions).float().cpu()
+            for layer in range(view.kv.cfg.num_layers)}
+        return self.fit(view.seq, view.kv, view.budget, n)
+
+    def on_decode(self, view: DecodeView) -> list[KVAction]:
+        scores = view.seq.policy_state["scores"]
+        for layer in range(view.kv.cfg.num_layers):
+            new = torch.tensor([self.decode_score(view, layer)])
+            gap = view.position - scores[layer].shape[0]
+            pad = torch.full((gap,), float("-inf")) if gap > 0 else torch.empty(0)
+            scores[layer] = torch.cat([scores[layer], pad, new])
+        self.observe_decode(view)
+        return self.fit(view.seq, view.kv, view.budget, view.position + 1)
+
+    def fit(self, seq: Sequence, kv: KVCache, budget: float, num_tokens: int) -> list[KVAction]:
+        """Release, in every layer, the lowest-scoring tokens above the layer's page quota."""
+        cfg = kv.cfg
+        self.block_size = cfg.block_size
+        pages = self.layer_pages(cfg.num_layers, total_pages(budget, cfg.num_layers, num_tokens, cfg.block_size))
+        scores = seq.policy_state["scores"]
+        actions = []
+        for layer, quota_pages in enumerate(pages):
+            quota = quota_pages * cfg.block_size
+            kept = kv.kept(seq.request_id, layer)
+            if len(kept) <= quota:
+                continue
+            pos = torch.tensor(sorted(kept), dtype=torch.long)
+            s = scores[layer][pos].clone()
+            mask = self.protected(seq, layer, pos, num_tokens, quota)
+            if mask is not None:
+                s[mask] = KEEP + pos[mask].float()
+            drop = torch.topk(-s, len(pos) - quota).indices
+            actions.append(KVAction(layer, tuple(pos[drop].tolist()), Precision.RELEASED))
+        return actions

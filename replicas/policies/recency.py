@@ -1,0 +1,15 @@
+"""Recency only: keep the most recent tokens of each layer (a floor for the other methods)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from replicas.policies.base import ScoredPolicy
+
+
+@dataclass
+class RecencyPolicy(ScoredPolicy):
+    name = "recency"
+
+    def prefill_scores(self, view, layer, positions):
+        return positions.float()

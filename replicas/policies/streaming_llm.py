@@ -1,0 +1,33 @@
+"""StreamingLLM: attention sinks plus a window of recent tokens.
+
+Source: Xiao et al., "Efficient Streaming Language Models with Attention Sinks", ICLR 2024
+(arXiv:2309.17453), section 3.2: keep the first ``num_sinks`` tokens (4 in the paper) and the most
+recent ones; here the recent window fills the rest of each layer's budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from replicas.policies.base import KEEP, ScoredPolicy
+
+
+@dataclass
+class StreamingLLMPolicy(ScoredPolicy):
+    """Attributes:
+        num_sinks: initial tokens always kept (the paper's 4 attention sinks).
+    """
+    num_sinks: int = 4
+    name = "streaming_llm"
+
+    def __post_init__(self):
+        if self.num_sinks < 0:
+            raise ValueError(f"num_sinks must be >= 0, got {self.num_sinks}")
+
+    def min_tokens_per_layer(self) -> int:
+        return self.num_sinks
+
+    def prefill_scores(self, view, layer, positions):
+        s = positions.float()
+        s[: self.num_sinks] = KEEP
+        return s

@@ -1,0 +1,153 @@
+"""Baseline policies on a hand-built attention pattern: each keeps what its paper says, budgets hold
+at every step, released tokens never return, positions stay true."""
+
+import math
+
+import pytest
+import torch
+
+from replicas.errors import InvalidRequestError
+from replicas.kv_cache import KVCache, KVCacheConfig, Precision
+from replicas.policies import (H2OPolicy, POLICIES, PyramidKVPolicy, RandomPolicy, RecencyPolicy,
+                               SnapKVPolicy, StreamingLLMPolicy, make_policy)
+from replicas.policy import DecodeView, PrefillView
+from replicas.sampling_params import SamplingParams
+from replicas.sequence import Sequence
+
+N, HEAVY, D = 32, (5, 17), 8
+
+
+def build(budget=0.5, layers=2):
+    """A cache with N prompt tokens whose keys make tokens HEAVY draw almost all attention."""
+    torch.manual_seed(0)
+    kv = KVCache(KVCacheConfig(num_layers=layers, num_kv_heads=1, head_dim=D, block_size=4, max_bytes=1 << 22))
+    seq = Sequence("s", list(range(N)), SamplingParams())
+    seq.kv_budget = budget
+    kv.add_sequence("s")
+    direction = torch.zeros(D)
+    direction[0] = 1.0
+    keys = torch.randn(N, 1, D) * 0.1
+    for h in HEAVY:
+        keys[h, 0] = direction * 8
+    for layer in range(layers):
+        kv.append("s", layer, range(N), keys, torch.randn(N, 1, D))
+    queries = {layer: direction.expand(N, 2, D).clone() for layer in range(layers)}
+    return kv, seq, queries
+
+
+def run_prefill(policy, budget=0.5, layers=2):
+    kv, seq, queries = build(budget, layers)
+    window = policy.observation_window
+    view = PrefillView(seq, kv, N, {l: q[-window:] for l, q in queries.items()} if window else {}, budget)
+    for a in policy.on_prefill(view):
+        kv.set_precision("s", a.layer, a.positions, a.precision)
+    return kv, seq, queries
+
+
+def kept(kv, layer=0):
+    return sorted(kv.kept("s", layer))
+
+
+def ratio(kv, n):
+    return kv.sequence_bytes("s") / kv.full_kv_bytes(n)
+
+
+def test_streaming_llm_keeps_sinks_and_recent():
+    kv, _, _ = run_prefill(StreamingLLMPolicy())
+    # budget 0.5: floor(0.5 * 2 layers * 8 pages) = 8 pages, 4 per layer = 16 tokens
+    assert kept(kv) == [0, 1, 2, 3] + list(range(20, 32))
+
+
+def test_recency_keeps_last_tokens():
+    kv, _, _ = run_prefill(RecencyPolicy())
+    assert kept(kv) == list(range(16, 32))
+
+
+def test_h2o_keeps_heavy_hitters_and_recent_window():
+    kv, _, _ = run_prefill(H2OPolicy())
+    k = kept(kv)
+    assert len(k) == 16 and set(HEAVY) <= set(k) and set(range(24, 32)) <= set(k)
+
+
+def test_snapkv_keeps_window_and_voted_tokens():
+    kv, _, _ = run_prefill(SnapKVPolicy(window_size=4, kernel_size=1))
+    k = kept(kv)
+    assert len(k) == 16 and set(HEAVY) <= set(k) and set(range(28, 32)) <= set(k)
+
+
+def test_snapkv_pooling_keeps_neighbours():
+    kv, _, _ = run_prefill(SnapKVPolicy(window_size=4, kernel_size=5))
+    # 16 tokens: the 4-token window, then the heavy hitters with the 2 neighbours on each side
+    # that average pooling lifts to the same score
+    k = kept(kv)
+    assert set(range(28, 32)) | set(range(3, 8)) | set(range(15, 20)) <= set(k)
+
+
+def test_pyramidkv_budgets_decrease_with_depth_same_total():
+    p = PyramidKVPolicy(window_size=4)
+    pages = p.layer_pages(6, 60)
+    assert sum(pages) == 60 and pages == sorted(pages, reverse=True) and pages[0] > pages[-1]
+    kv, _, _ = run_prefill(PyramidKVPolicy(window_size=4, kernel_size=1))
+    # 8 pages over 2 layers: window 4 + a pyramid over the remaining 12 tokens per layer (beta 20)
+    assert [len(kept(kv, 0)), len(kept(kv, 1))] == [28, 4]
+    assert set(HEAVY) <= set(kept(kv, 0)) and kept(kv, 1) == [28, 29, 30, 31]
+
+
+def test_random_is_reproducible_per_request():
+    a, _, _ = run_prefill(RandomPolicy(seed=3))
+    b, _, _ = run_prefill(RandomPolicy(seed=3))
+    c, _, _ = run_prefill(RandomPolicy(seed=4))
+    assert kept(a) == kept(b) and len(kept(a)) == 16 and kept(a) != kept(c)
+
+
+@pytest.mark.parametrize("name", [n for n in POLICIES if n != "full"])
+@pytest.mark.parametrize("budget", [0.5, 0.25])
+def test_decode_budget_never_exceeded_released_never_return(name, budget):
+    policy = make_policy(name, **({"window_size": 4} if name in ("snapkv", "pyramidkv") else {}))
+    kv, seq, _ = run_prefill(policy, budget)
+    assert ratio(kv, N) <= budget
+    ever_released = {l: set(range(N)) - set(kept(kv, l)) for l in range(2)}
+    direction = torch.zeros(D)
+    direction[0] = 1.0
+    for step in range(20):
+        pos = N + step
+        for layer in range(2):
+            kv.append("s", layer, [pos], torch.randn(1, 1, D) * 0.1, torch.randn(1, 1, D))
+        seq.output_token_ids.append(0)
+        view = DecodeView(seq, kv, pos, budget, {l: direction.expand(2, D).clone() for l in range(2)})
+        for a in policy.on_decode(view):
+            kv.set_precision("s", a.layer, a.positions, a.precision)
+        assert ratio(kv, pos + 1) <= budget + 1e-12
+        for layer in range(2):
+            now = set(kept(kv, layer))
+            assert not now & ever_released[layer]  # released tokens never come back
+            ever_released[layer] |= set(range(pos + 1)) - now
+            positions, _, _ = kv.gather("s", layer)
+            assert set(positions.tolist()) == now  # entries carry their true positions
+
+
+def test_policies_hold_budget_in_the_engine(engine, chat_prompts):
+    from replicas.config import EngineConfig
+    from replicas.engine import LLMEngine
+    for name in ("h2o", "snapkv"):
+        eng = LLMEngine(EngineConfig(kv_policy=name, kv_budget=0.33, kv_cache_bytes=64 << 20))
+        outs = eng.generate(chat_prompts[:3], SamplingParams(max_tokens=20, ignore_eos=True))
+        for o in outs:
+            assert o.metrics.kv_ratio_max <= 0.33 and o.metrics.budget_fallbacks == 0
+        assert eng.kv.bytes_used == 0
+
+
+def test_bad_settings_refused_before_work(engine, chat_prompts):
+    with pytest.raises(ValueError, match="unknown KV policy 'snap'"):
+        make_policy("snap")
+    with pytest.raises(ValueError, match="bad settings"):
+        make_policy("h2o", window=3)
+    with pytest.raises(ValueError, match="recent_ratio"):
+        H2OPolicy(recent_ratio=2.0)
+    with pytest.raises(InvalidRequestError, match="kv_budget must be in"):
+        engine.add_request("b", chat_prompts[0], SamplingParams(max_tokens=2), kv_budget=1.5)
+    with pytest.raises(InvalidRequestError, match="policy 'full' keeps all KV"):
+        engine.add_request("b", chat_prompts[0], SamplingParams(max_tokens=2), kv_budget=0.5)
+    kv, _, _ = build()
+    with pytest.raises(ValueError, match="needs 40 tokens per layer"):
+        StreamingLLMPolicy(num_sinks=40).check(N, 0.5, kv)
