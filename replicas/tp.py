@@ -109,15 +109,17 @@ class MirroredRunner:
         return self._local.prefill(seq, observation_window)
 
     def decode(self, seqs, record_queries: bool = False):
-        self._bcast.send("decode", [(s.request_id, s.all_token_ids[-1], s.num_tokens) for s in seqs])
+        self._bcast.send("decode", [(s.request_id, s.all_token_ids[-1], s.num_tokens) for s in seqs], record_queries)
         return self._local.decode(seqs, record_queries)
 
 
 class _Stub:
-    """What a worker's runner needs of a sequence."""
+    """What a worker's runner reads of a sequence: its id, its tokens (prefill) or only the last
+    one (decode), and its length."""
 
-    def __init__(self, request_id, token_ids):
-        self.request_id, self.all_token_ids, self.num_tokens = request_id, token_ids, len(token_ids)
+    def __init__(self, request_id, token_ids, num_tokens=None):
+        self.request_id, self.all_token_ids = request_id, token_ids
+        self.num_tokens = len(token_ids) if num_tokens is None else num_tokens
 
 
 def worker_main(rank: int, world_size: int, port: int, config) -> None:
@@ -136,7 +138,7 @@ def worker_main(rank: int, world_size: int, port: int, config) -> None:
         elif method == "prefill":
             runner.prefill(_Stub(args[0], args[1]), args[2])
         elif method == "decode":
-            runner.decode([_Stub(rid, [tok] * n) for rid, tok, n in args[0]])
+            runner.decode([_Stub(rid, [tok], n) for rid, tok, n in args[0]], args[1])
     dist.destroy_process_group()
 
 
