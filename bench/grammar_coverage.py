@@ -79,7 +79,11 @@ def bfcl_coverage(timeout_s: float) -> dict:
             except GrammarCompileError as e:
                 report["failures"].append({"id": q.id, "error": str(e)})
                 continue
-            ids = tok(chat.render_answer(calls), add_special_tokens=False)["input_ids"]
+            # A JSON object is unordered; the grammar (and the model) write keys in schema order.
+            ordered = [{"name": c["name"], "arguments": dict(sorted(
+                c["arguments"].items(), key=lambda kv, order=list(by_name[c["name"]]["properties"]):
+                order.index(kv[0]) if kv[0] in order else len(order)))} for c in calls]
+            ids = tok(chat.render_answer(ordered), add_special_tokens=False)["input_ids"]
             accepted = all(matcher.accept_token(t) for t in ids) and matcher.accept_token(eos)
             report["calls_grammar_accepted"] += len(calls) if accepted else 0
             if not accepted:

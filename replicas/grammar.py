@@ -43,11 +43,15 @@ class GrammarSpec:
 
 
 def tools_structural_tag(tools: list[dict], tool_choice: Any = "auto", parallel_tool_calls: bool = True):
-    """The xgrammar structural tag for Qwen3-format tool calls (arguments' keys in any order, as
-    JSON allows)."""
+    """The xgrammar structural tag for Qwen3-format tool calls.
+
+    Arguments follow the schema's property order: xgrammar 0.2.9's ``any_order=True`` accepts a
+    repeated key in place of a missing required one (``{"city": "Paris", "city": "Paris"}`` for
+    required ``city`` and ``unit``), which would let schema-breaking output through.
+    """
     import xgrammar as xgr
     return xgr.get_model_structural_tag("qwen_3", tools=tools, tool_choice=tool_choice, reasoning=False,
-                                        parallel_tool_calls=parallel_tool_calls, any_order=True)
+                                        parallel_tool_calls=parallel_tool_calls)
 
 
 class GrammarCompiler:

@@ -1,0 +1,308 @@
+"""The OpenAI-compatible HTTP API over an :class:`AsyncLLMEngine` (FastAPI).
+
+``build_app(server)`` returns the FastAPI app; the Ray Serve deployment in :mod:`cluster.app`
+mounts it with ``@serve.ingress``, and tests use it in-process. Routes: ``POST /v1/chat/completions``,
+``POST /v1/completions``, ``GET /v1/models``, ``GET /health``. Errors use the OpenAI envelope
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from cluster.protocol import (ChatCompletionRequest, CompletionRequest, NamedToolChoice, SamplingFields,
+                              ToolCall, ToolCallFunction, Usage, now)
+from models import chat
+from replicas.async_engine import AsyncLLMEngine, EngineDeadError
+from replicas.errors import GrammarCompileError, InvalidRequestError
+from replicas.grammar import GrammarSpec
+from replicas.sampling_params import SamplingParams
+from replicas.sequence import RequestOutput
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class OpenAIServer:
+    """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses.
+
+    Args:
+        engine: the replica's engine.
+        model_name: the id clients send as ``model``.
+        max_pending: requests in flight beyond which new ones get 429 with Retry-After.
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, max_pending: int = 256):
+        self.engine, self.model_name, self.max_pending = engine, model_name, max_pending
+        self.tokenizer = engine.engine.tokenizer
+        self.pending = 0
+
+    # ------------------------------------------------------------------ request -> engine
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                           "not_found_error", "model")
+
+    def _sampling(self, req: SamplingFields, max_tokens: int | None, num_prompt: int) -> SamplingParams:
+        room = self.engine.engine.max_model_len - num_prompt
+        if room < 1:
+            raise APIError(400, f"prompt of {num_prompt} tokens leaves no room in the context of "
+                                f"{self.engine.engine.max_model_len} tokens", param="messages")
+        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        try:
+            return SamplingParams(max_tokens=max_tokens or min(room, 1024), temperature=req.temperature,
+                                  top_p=req.top_p, seed=req.seed, stop=stop)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e)) from None
+
+    def chat_request(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams, GrammarSpec | None, bool]:
+        """Prompt ids, sampling, grammar, and whether tool calls are parsed from the output."""
+        self._check_model(req.model)
+        tools = [t.model_dump() for t in req.tools] if req.tools else None
+        choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+        if isinstance(choice, NamedToolChoice):
+            if not tools or choice.function.name not in {t["function"]["name"] for t in tools}:
+                raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                               param="tool_choice")
+            choice = choice.model_dump()
+        elif choice in ("auto", "required") and not tools:
+            if req.tool_choice is not None:
+                raise APIError(400, f"tool_choice {choice!r} needs tools", param="tool_choice")
+        messages = []
+        for m in req.messages:
+            msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.tool_calls:
+                msg["tool_calls"] = [{"type": "function", "function": {
+                    "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in m.tool_calls]
+            messages.append(msg)
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                     return_dict=True)["input_ids"]
+        except Exception as e:  # a template error is the request's fault (e.g. bad roles order)
+            raise APIError(400, f"messages cannot be rendered: {e}", param="messages") from None
+        grammar, parse_tools = None, False
+        if tools and choice != "none":
+            grammar = GrammarSpec("tools", {"tools": tools, "tool_choice": choice,
+                                            "parallel_tool_calls": req.parallel_tool_calls})
+            parse_tools = True
+        elif req.response_format and req.response_format.type == "json_schema":
+            if req.response_format.json_schema is None:
+                raise APIError(400, "response_format json_schema needs a json_schema", param="response_format")
+            grammar = GrammarSpec("json_schema", req.response_format.json_schema.schema_)
+        elif req.response_format and req.response_format.type == "json_object":
+            grammar = GrammarSpec("json_object")
+        params = self._sampling(req, req.max_completion_tokens or req.max_tokens, len(ids))
+        return ids, params, grammar, parse_tools
+
+    def completion_request(self, req: CompletionRequest):
+        self._check_model(req.model)
+        if isinstance(req.prompt, str):
+            ids = self.tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
+        else:
+            ids = list(req.prompt)
+        so, grammar = req.structured_outputs, None
+        if so is not None:
+            given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(so, k) is not None]
+            if len(given) > 1:
+                raise APIError(400, "structured_outputs takes one of json, regex, choice, grammar",
+                               param="structured_outputs")
+            if given:
+                kind = {"json_": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf"}[given[0]]
+                grammar = GrammarSpec(kind, getattr(so, given[0]))
+        return ids, self._sampling(req, req.max_tokens, len(ids)), grammar
+
+    # ------------------------------------------------------------------ running
+    async def run(self, ids, params, grammar, kv_budget) -> AsyncIterator[RequestOutput]:
+        if self.pending >= self.max_pending:
+            raise APIError(429, "the replica's queue is full; retry later", "rate_limit_error",
+                           headers={"Retry-After": "1"})
+        self.pending += 1
+        try:
+            async for out in self.engine.generate(ids, params, f"req-{uuid.uuid4().hex}", grammar, kv_budget):
+                yield out
+        except GrammarCompileError as e:
+            raise APIError(400, str(e), param="response_format") from None
+        except InvalidRequestError as e:
+            raise APIError(400, str(e)) from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e), "service_unavailable", headers={"Retry-After": "1"}) from None
+        finally:
+            self.pending -= 1
+
+    def usage(self, out: RequestOutput) -> dict:
+        m = out.metrics
+        return Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=len(out.token_ids),
+                     total_tokens=out.num_prompt_tokens + len(out.token_ids), kv_bytes_peak=m.kv_bytes_peak,
+                     kv_budget_ratio_mean=round(m.kv_ratio_mean, 6), kv_budget_ratio_max=round(m.kv_ratio_max, 6),
+                     kv_policy=self.engine.engine.policy.name).model_dump()
+
+
+def _json_or_text(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except (TypeError, json.JSONDecodeError):
+        return arguments
+
+
+def _finish_reason(out: RequestOutput, has_calls: bool) -> str:
+    if has_calls:
+        return "tool_calls"
+    return "length" if out.finish_reason == "length" else "stop"
+
+
+def _message(out: RequestOutput, parse_tools: bool) -> tuple[dict, bool]:
+    if parse_tools:
+        try:
+            calls, content = chat.parse_tool_calls(out.text)
+        except ValueError:  # cut short by max_tokens inside a call: return the text as is
+            calls, content = [], out.text
+        if calls:
+            tool_calls = [ToolCall(function=ToolCallFunction(name=c["name"], arguments=json.dumps(c["arguments"])))
+                          .model_dump() for c in calls]
+            return {"role": "assistant", "content": content or None, "tool_calls": tool_calls}, True
+    return {"role": "assistant", "content": out.text}, False
+
+
+def _streamable(text: str, marker: str = "<tool_call>") -> str:
+    """The part of ``text`` that can stream as content: before any tool call, minus a tail that
+    could be the start of one."""
+    i = text.find(marker)
+    if i >= 0:
+        return text[:i]
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return text[:-k]
+    return text
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def build_app(server: OpenAIServer) -> FastAPI:
+    app = FastAPI(title="structkv", description="OpenAI-compatible structured generation with a compressed KV cache")
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return error_response(400, f"invalid request body at {where or 'body'}: {first.get('msg', 'malformed')}",
+                              "invalid_request_error", where or None)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": now(),
+                                            "owned_by": "structkv"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest):
+        ids, params, grammar, parse_tools = server.chat_request(req)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", now()
+        stream = server.run(ids, params, grammar, req.kv_budget)
+        first = await _first(stream)
+        if req.stream:
+            return StreamingResponse(_chat_stream(server, rid, created, req.model, first, stream, parse_tools),
+                                     media_type="text/event-stream")
+        out = first
+        async for out in stream:
+            pass
+        message, has_calls = _message(out, parse_tools)
+        return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
+                "choices": [{"index": 0, "message": message, "finish_reason": _finish_reason(out, has_calls),
+                             "logprobs": None}], "usage": server.usage(out)}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        ids, params, grammar = server.completion_request(req)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", now()
+        stream = server.run(ids, params, grammar, req.kv_budget)
+        first = await _first(stream)
+        if req.stream:
+            return StreamingResponse(_completion_stream(server, rid, created, req.model, first, stream),
+                                     media_type="text/event-stream")
+        out = first
+        async for out in stream:
+            pass
+        return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
+                "choices": [{"index": 0, "text": out.text, "finish_reason": _finish_reason(out, False),
+                             "logprobs": None}], "usage": server.usage(out)}
+
+    return app
+
+
+async def _first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """The first output: request errors surface here, before a streaming response starts."""
+    return await stream.__anext__()
+
+
+async def _outputs(first, stream):
+    yield first
+    async for out in stream:
+        yield out
+
+
+async def _chat_stream(server, rid, created, model, first, stream, parse_tools):
+    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+    sent, out = 0, first
+    try:
+        async for out in _outputs(first, stream):
+            # Text before a tool call streams as content; tool calls go out whole once parsed.
+            visible = _streamable(out.text) if parse_tools else out.text
+            if len(visible) > sent:
+                yield _sse({**base, "choices": [{"index": 0, "delta": {"content": visible[sent:]}, "finish_reason": None}]})
+                sent = len(visible)
+    except APIError as e:
+        yield _sse({"error": {"message": e.message, "type": e.type, "code": e.status}})
+        return
+    message, has_calls = _message(out, parse_tools)
+    if has_calls:
+        deltas = [{"index": i, "id": c["id"], "type": "function", "function": c["function"]}
+                  for i, c in enumerate(message["tool_calls"])]
+        yield _sse({**base, "choices": [{"index": 0, "delta": {"tool_calls": deltas}, "finish_reason": None}]})
+    elif len(message["content"] or "") > sent:
+        yield _sse({**base, "choices": [{"index": 0, "delta": {"content": message["content"][sent:]},
+                                         "finish_reason": None}]})
+    yield _sse({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": _finish_reason(out, has_calls)}],
+                "usage": server.usage(out)})
+    yield "data: [DONE]\n\n"
+
+
+async def _completion_stream(server, rid, created, model, first, stream):
+    base = {"id": rid, "object": "text_completion", "created": created, "model": model}
+    sent, out = 0, first
+    try:
+        async for out in _outputs(first, stream):
+            if len(out.text) > sent:
+                yield _sse({**base, "choices": [{"index": 0, "text": out.text[sent:], "finish_reason": None}]})
+                sent = len(out.text)
+    except APIError as e:
+        yield _sse({"error": {"message": e.message, "type": e.type, "code": e.status}})
+        return
+    yield _sse({**base, "choices": [{"index": 0, "text": "", "finish_reason": _finish_reason(out, False)}],
+                "usage": server.usage(out)})
+    yield "data: [DONE]\n\n"

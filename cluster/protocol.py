@@ -1,0 +1,130 @@
+"""OpenAI-compatible request and response bodies (pydantic), with this project's extensions:
+a per-request ``kv_budget`` and KV statistics in ``usage``."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class FunctionDef(_Body):
+    name: str = Field(min_length=1, max_length=256, description="Function name.")
+    description: str | None = Field(None, description="What the function does.")
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}},
+                                       description="JSON Schema of the arguments.")
+
+
+class Tool(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ToolCallFunction(_Body):
+    name: str
+    arguments: str = Field(description="Arguments as a JSON string.")
+
+
+class ToolCall(_Body):
+    id: str = Field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # content parts: keep the text ones
+            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+        return self.content or ""
+
+
+class JSONSchemaFormat(_Body):
+    name: str = "response"
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema", description="The JSON Schema.")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JSONSchemaFormat | None = None
+
+
+class SamplingFields(_Body):
+    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
+    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 = greedy (the model's default).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: Literal[1] = Field(1, description="Only one choice per request is supported.")
+    stream: bool = False
+    kv_budget: float | None = Field(None, gt=0.0, le=1.0,
+                                    description="Extension: total KV budget of this request (fraction of full KV).")
+
+
+class ChatCompletionRequest(SamplingFields):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class StructuredOutputs(_Body):
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="JSON Schema the output follows.")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = Field(None, description="EBNF grammar (root rule `root`).")
+
+
+class CompletionRequest(SamplingFields):
+    model: str
+    prompt: str | list[int] = Field(description="Text, or token ids.")
+    structured_outputs: StructuredOutputs | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    kv_bytes_peak: int = Field(description="Extension: most KV bytes the request held.")
+    kv_budget_ratio_mean: float = Field(description="Extension: bytes held / full-KV bytes, mean over steps.")
+    kv_budget_ratio_max: float = Field(description="Extension: the same ratio, max over steps.")
+    kv_policy: str = Field(description="Extension: the KV policy (and table version) that served it.")
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,131 @@
+"""The OpenAI-compatible API in-process (FastAPI over the async engine, no Ray): responses,
+streaming, tool calls that validate, the unchanged openai SDK, and the error envelope."""
+
+import asyncio
+import json
+
+import httpx
+import jsonschema
+import pytest
+
+from cluster.openai_api import OpenAIServer, build_app
+from replicas.async_engine import AsyncLLMEngine
+
+# Bounded outputs (enums, booleans): valid whatever the small model prefers.
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Get the weather of a city.",
+           "parameters": {"type": "object", "properties": {
+               "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+               "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+               "required": ["city", "unit"], "additionalProperties": False}}}
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "level": {"enum": ["low", "high"]}},
+          "required": ["ok", "level"], "additionalProperties": False}
+MODEL = "qwen3-fc-6m"
+
+
+@pytest.fixture(scope="module")
+def app(engine):
+    server = OpenAIServer(AsyncLLMEngine(engine), MODEL, max_pending=64)
+    yield build_app(server)
+    server.engine.shutdown()
+
+
+def call(app, method, path, body=None):
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            return await c.request(method, path, json=body)
+    return asyncio.run(go())
+
+
+def chat(**kw):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+            "max_tokens": 64}
+    body.update(kw)
+    return body
+
+
+def test_models_and_health(app):
+    assert call(app, "GET", "/health").status_code == 200
+    assert call(app, "GET", "/v1/models").json()["data"][0]["id"] == MODEL
+
+
+def test_tool_call_required_validates(app):
+    r = call(app, "POST", "/v1/chat/completions", chat(tools=[WEATHER], tool_choice="required"))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    for tc in choice["message"]["tool_calls"]:
+        assert tc["function"]["name"] == "get_weather" and tc["id"].startswith("call_")
+        jsonschema.validate(json.loads(tc["function"]["arguments"]), WEATHER["function"]["parameters"])
+    usage = r.json()["usage"]
+    assert usage["kv_budget_ratio_max"] == pytest.approx(1.0) and usage["kv_policy"] == "full"
+
+
+def test_response_format_json_schema(app):
+    body = chat(response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}})
+    r = call(app, "POST", "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), SCHEMA)
+
+
+def test_streaming_chat_deltas_join_to_full_text(app):
+    full = call(app, "POST", "/v1/chat/completions", chat(max_tokens=12)).json()["choices"][0]["message"]["content"]
+    r = call(app, "POST", "/v1/chat/completions", chat(max_tokens=12, stream=True))
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == full
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_streaming_tool_calls(app):
+    r = call(app, "POST", "/v1/chat/completions", chat(tools=[WEATHER], tool_choice="required", stream=True))
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert calls and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), WEATHER["function"]["parameters"])
+
+
+def test_completions_with_structured_outputs(app):
+    r = call(app, "POST", "/v1/completions", {"model": MODEL, "prompt": "Answer:", "max_tokens": 8,
+                                              "structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] in ("yes", "no")
+
+
+@pytest.mark.parametrize("path,body,status,needle", [
+    ("/v1/chat/completions", chat(model="gpt-9"), 404, "does not exist"),
+    ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+    ("/v1/chat/completions", chat(n=2), 400, "n"),
+    ("/v1/chat/completions", chat(max_tokens=0), 400, "max_tokens"),
+    ("/v1/chat/completions", chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
+     400, "not among the tools"),
+    ("/v1/chat/completions", chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/missing"}}}}}), 400, "json_schema"),
+    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": "hi " * 5000}]), 400, "context"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 99999999], "max_tokens": 2}, 400, "outside"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "structured_outputs": {"regex": "(", "choice": ["a"]}},
+     400, "one of"),
+])
+def test_errors_use_openai_envelope(app, path, body, status, needle):
+    r = call(app, "POST", path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] or needle == err.get("param")
+    assert err["code"] == status and err["type"]
+
+
+def test_openai_sdk_unchanged(app):
+    openai = pytest.importorskip("openai")
+
+    async def go():
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test/v1")
+        client = openai.AsyncOpenAI(api_key="unused", base_url="http://test/v1", http_client=http)
+        resp = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo, celsius?"}],
+            tools=[WEATHER], tool_choice="required", max_tokens=64)
+        await http.aclose()
+        return resp
+    resp = asyncio.run(go())
+    tc = resp.choices[0].message.tool_calls[0]
+    assert resp.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(tc.function.arguments), WEATHER["function"]["parameters"])
