@@ -1,0 +1,50 @@
+"""The Ray Serve application end to end: build_app from the config's args, HTTP on loopback."""
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+    "required": ["city"], "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def serve_url():
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    from cluster.app import build_app
+    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
+    serve.start(http_options={"host": "127.0.0.1", "port": 8123})
+    serve.run(build_app({"model": "models/qwen3-fc-6m", "num_cpus": 0.5, "kv_cache_bytes": 64 << 20}),
+              name="structkv", route_prefix="/")
+    yield "http://127.0.0.1:8123"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def test_chat_tool_call_over_http(serve_url):
+    r = httpx.post(f"{serve_url}/v1/chat/completions", timeout=120, json={
+        "model": "qwen3-fc-6m", "messages": [{"role": "user", "content": "Weather in Rome?"}],
+        "tools": [TOOL], "tool_choice": "required", "max_tokens": 40})
+    assert r.status_code == 200, r.text
+    call = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]
+    jsonschema.validate(json.loads(call["arguments"]), TOOL["function"]["parameters"])
+    assert httpx.get(f"{serve_url}/v1/models").json()["data"][0]["id"] == "qwen3-fc-6m"
+    bad = httpx.post(f"{serve_url}/v1/chat/completions", json={"model": "other", "messages": []})
+    assert bad.status_code == 400 and "error" in bad.json()
+
+
+def test_bad_app_args_are_refused():
+    from pydantic import ValidationError
+
+    from cluster.app import build_app
+    with pytest.raises(ValidationError, match="kv_budget"):
+        build_app({"kv_budget": 2})
+    with pytest.raises(ValueError, match="unknown kv_policy"):
+        build_app({"kv_policy": "nope"})
