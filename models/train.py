@@ -131,13 +131,14 @@ def exact_match(model, tokenizer, examples: list[synth.Example]) -> dict[str, fl
     return {c: sum(v) / len(v) for c, v in per_cat.items()}
 
 
-def export(model, tokenizer, out: Path) -> None:
+def export(model, tokenizer, out: Path, step: int) -> None:
     from transformers import GenerationConfig
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     GenerationConfig(eos_token_id=[model.config.eos_token_id, model.config.pad_token_id],
                      pad_token_id=model.config.pad_token_id, do_sample=False).save_pretrained(out)
+    (out / "trainer_state.json").write_text(json.dumps({"global_step": step}) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save-every", type=int, default=50)
     ap.add_argument("--eval-examples", type=int, default=6, help="dev examples per category")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--init-from", type=Path, help="with no resumable state: start from this exported "
+                    "checkpoint's weights, at its trainer_state.json step (fresh optimizer)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: all cores)")
     ap.add_argument("--fp32", action="store_true", help="disable bf16 autocast")
     ap.add_argument("--micro", action="store_true", help="tiny config for smoke tests")
@@ -171,7 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer, Qwen3ForCausalLM
     tok_dir = args.ckpt_dir / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists():
-        build_tokenizer(256 + 512 if args.micro else 4096).save_pretrained(tok_dir)
+        if args.init_from:  # keep the checkpoint's own tokenizer
+            AutoTokenizer.from_pretrained(args.init_from).save_pretrained(tok_dir)
+        else:
+            build_tokenizer(256 + 512 if args.micro else 4096).save_pretrained(tok_dir)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     model = Qwen3ForCausalLM(model_config(tokenizer, args.micro)).to(args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -182,6 +188,13 @@ def main(argv: list[str] | None = None) -> int:
         opt.load_state_dict(state["optimizer"])
         step = state["step"]
         print(f"resumed from {state_path} at step {step}", file=sys.stderr)
+    elif args.init_from:
+        from safetensors.torch import load_file
+        weights = load_file(args.init_from / "model.safetensors")
+        model.load_state_dict(weights, strict=False)  # lm_head is tied to the embeddings
+        model.tie_weights()
+        step = json.loads((args.init_from / "trainer_state.json").read_text())["global_step"]
+        print(f"initialized from {args.init_from} at step {step} (fresh optimizer)", file=sys.stderr)
     num_params = sum(p.numel() for p in model.parameters())
     print(f"{num_params / 1e6:.2f}M parameters, training to step {args.steps}", file=sys.stderr)
 
@@ -219,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             cats = [c for c in synth.CATEGORIES if c != "long_context" or step >= args.long_start]
             examples = [dev.example(c, i) for c in cats for i in range(args.eval_examples)]
             record["dev_exact_match"] = exact_match(model, tokenizer, examples)
-            export(model, tokenizer, args.out)
+            export(model, tokenizer, args.out, step)
             tqdm.write(f"step {step}: dev exact match {json.dumps(record['dev_exact_match'])}")
         log.write(json.dumps(record) + "\n")
         log.flush()
@@ -228,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}, tmp)
             os.replace(tmp, state_path)
     bar.close()
-    export(model, tokenizer, args.out)
+    export(model, tokenizer, args.out, step)
     return 0
 
 

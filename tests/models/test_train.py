@@ -28,3 +28,10 @@ def test_micro_training_exports_and_resumes(tmp_path):
     assert train.main(common + ["--steps", "22"]) == 0
     steps = [json.loads(line)["step"] for line in (ckpt / "log.jsonl").read_text().splitlines()]
     assert steps[-2:] == [21, 22]
+
+    # A new machine: no resumable state, only the exported checkpoint.
+    fresh = tmp_path / "ckpt2"
+    args = [a if a != str(ckpt) else str(fresh) for a in common]
+    assert train.main(args + ["--steps", "24", "--init-from", str(out)]) == 0
+    steps = [json.loads(line)["step"] for line in (fresh / "log.jsonl").read_text().splitlines()]
+    assert steps == [23, 24]
