@@ -47,19 +47,22 @@ def _official_checker():
     return official
 
 
-def reference_calls(truth: list[dict], language: str = "python", skip_optional: bool = True) -> list[dict[str, Any]]:
+def reference_calls(truth: list[dict], language: str = "python", skip_optional: bool = True,
+                    functions: list[dict] | None = None) -> list[dict[str, Any]]:
     """One answer the ground truth accepts.
 
     Each parameter takes its first allowed value; ``""`` (BFCL: "may be left out") omits it, or,
-    with ``skip_optional``, the next value is taken instead. For Java / JavaScript the values are
-    written in their source form, as strings, which is how BFCL expects models to answer.
+    with ``skip_optional`` or when ``functions`` marks the parameter required, the next value is
+    taken instead. For Java / JavaScript the values are written in their source form, as strings,
+    which is how BFCL expects models to answer.
     """
+    required = {f["name"]: set((f.get("parameters") or {}).get("required", [])) for f in functions or []}
     calls = []
     for entry in truth:
         (name, params), = entry.items()
         args = {}
         for p, options in params.items():
-            if skip_optional:
+            if skip_optional or p in required.get(name, ()):
                 value = next((o for o in options if o != ""), None)
             else:
                 value = options[0] if options and options[0] != "" else None

@@ -65,7 +65,7 @@ def bfcl_coverage(timeout_s: float) -> dict:
                     report["failures"].append({"id": q.id, "function": tool["function"]["name"], "error": str(e)})
             if not q.ground_truth:
                 continue
-            calls = reference_calls(q.ground_truth, q.language, skip_optional=False)
+            calls = reference_calls(q.ground_truth, q.language, skip_optional=False, functions=q.functions)
             by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
             for call in calls:
                 report["calls"] += 1

@@ -1,0 +1,84 @@
+"""PASK structural tagging of generated tokens (tool calls and bare JSON)."""
+
+import json
+
+import pytest
+
+from models import chat
+from replicas.tagger import BUCKETS, NUM_BUCKETS, Role, StructuralTagger, bucket_of
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "required": ["city"], "properties": {
+        "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer"}, "hourly": {"type": "boolean"}}}}}]
+
+
+def tag_pieces(tagger, pieces):
+    return [BUCKETS[bucket_of(tagger.feed(p))] for p in pieces]
+
+
+def chars(text):
+    return list(text)  # one character per "token": the finest split
+
+
+def test_tool_call_roles_per_character():
+    text = "Ok <tool_call>\n" + json.dumps({"name": "get_weather", "arguments": {
+        "city": "Paris", "unit": "celsius", "days": 3, "hourly": True}}) + "\n</tool_call>"
+    t = StructuralTagger(TOOLS, near_k=0)
+    pieces = ["O", "k", " ", "<tool_call>"] + chars(text[len("Ok <tool_call>"):-len("</tool_call>")]) + ["</tool_call>"]
+    got = dict(zip(range(len(pieces)), tag_pieces(t, pieces)))
+    joined = "".join(pieces)
+
+    def bucket_at(substring, offset=0):
+        start = joined.index(substring) + offset
+        acc = 0
+        for i, p in enumerate(pieces):
+            if acc <= start < acc + len(p):
+                return got[i]
+            acc += len(p)
+    assert bucket_at("O") == "free_text" and bucket_at("<tool_call>") == "call_boundary"
+    assert bucket_at("name") == "field_key" and bucket_at("arguments") == "field_key"
+    assert bucket_at("get_weather") == "function_name"
+    assert bucket_at("city") == "arg_key_required" and bucket_at("days") == "arg_key_optional"
+    assert bucket_at("Paris") == "string_required" and bucket_at("celsius") == "enum_value"
+    assert bucket_at("3") == "number_optional" and bucket_at("true") == "literal"
+    assert bucket_at("{") == "punctuation" and bucket_at("</tool_call>") == "call_boundary"
+
+
+def test_multi_character_tokens_take_the_most_critical_role():
+    t = StructuralTagger(TOOLS)
+    got = tag_pieces(t, ["<tool_call>", "\n", '{"', "name", '": "get', "_weather", '", "', "arguments", '": {"',
+                         "city", '": "', "Rome", '"}}\n', "</tool_call>"])
+    assert got[4] == "function_name"           # '": "get' holds punctuation and the name
+    assert got[6] == "punctuation_near_critical"  # right after the function name
+    assert got[9] == "arg_key_required"
+
+
+def test_escaped_quotes_stay_inside_strings():
+    t = StructuralTagger(TOOLS, near_k=0)
+    text = chat.render_answer([{"name": "get_weather", "arguments": {"city": 'a "b" c', "days": 1}}])
+    got = tag_pieces(t, chars(text))
+    inner = 'a \\"b\\" c'  # as JSON writes it
+    start = text.index(inner)
+    assert set(got[start:start + len(inner)]) == {"string_required"}
+    assert got[text.index("days")] == "arg_key_optional"
+
+
+def test_bare_json_schema_output():
+    schema = {"type": "object", "required": ["ok"], "properties": {
+        "ok": {"type": "boolean"}, "level": {"enum": ["low", "high"]}, "tags": {"type": "array", "items": {"type": "string"}}}}
+    t = StructuralTagger(json_schema=schema, near_k=0)
+    text = json.dumps({"ok": False, "level": "low", "tags": ["x", "y"]})
+    got = tag_pieces(t, chars(text))
+    assert got[text.index("ok")] == "arg_key_required" and got[text.index("false")] == "literal"
+    assert got[text.index("low")] == "enum_value" and got[text.index("x")] == "string_optional"
+
+
+@pytest.mark.parametrize("text", ["plain answer, no call", "<tool_call>\n{\"name\": \"unknown_fn\", \"arguments\": {\"a\": [1, {\"b\": null}]}}\n</tool_call>",
+                                  "<tool_call>\n{\"name\": \"get_weather\", \"argu"])
+def test_never_fails_on_any_text(text):
+    t = StructuralTagger(TOOLS)
+    tags = [t.feed(c) for c in text]
+    assert all(0 <= bucket_of(tag) < NUM_BUCKETS for tag in tags)
+    if text.startswith("plain"):
+        assert {tag.role for tag in tags} <= {Role.FREE_TEXT, Role.WHITESPACE}
