@@ -15,6 +15,10 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
 
 @pytest.fixture(scope="module")
 def serve_url():
+    import os
+    # A loaded 2-core machine can take more than Serve's default 5 s to report the proxy ready.
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
     ray = pytest.importorskip("ray")
     from ray import serve
 
