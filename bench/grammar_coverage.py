@@ -109,7 +109,7 @@ def _subset_worker(path: str, start: int, timeout_s: float, conn) -> None:
     conn.send(None)
 
 
-def jsonschemabench_coverage(timeout_s: float, limit: int | None) -> dict:
+def jsonschemabench_coverage(timeout_s: float, limit: int | None, progress_path: Path | None = None) -> dict:
     report = {}
     ctx = mp.get_context("spawn")
     for path in sorted(JSONSCHEMABENCH_DIR.glob("*.jsonl.gz")):
@@ -150,6 +150,8 @@ def jsonschemabench_coverage(timeout_s: float, limit: int | None) -> dict:
         bar.close()
         counts["seconds"] = round(counts["seconds"], 2)
         report[path.name.split(".")[0]] = counts
+        if progress_path:  # keep finished subsets even if the run is stopped
+            progress_path.write_text(json.dumps(report, indent=1) + "\n")
     return report
 
 
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         for f in report["failures"][:20]:
             print("failure:", json.dumps(f)[:300])
     else:
-        report = jsonschemabench_coverage(args.timeout_s, args.limit)
+        report = jsonschemabench_coverage(args.timeout_s, args.limit, args.json)
         print(f"{'subset':<18} {'compiled':>9} {'refused':>8} {'timeout':>8} {'crashed':>8} {'seconds':>9}")
         for name, c in report.items():
             print(f"{name:<18} {c['compiled']:>9} {c['refused']:>8} {c['timeout']:>8} {c['crashed']:>8} {c['seconds']:>9.1f}")
