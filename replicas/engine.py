@@ -28,6 +28,7 @@ from replicas.sampler import sample
 from replicas.sampling_params import SamplingParams
 from replicas.scheduler import Scheduler, SchedulerConfig
 from replicas.sequence import RequestOutput, Sequence, SequenceStatus
+from replicas.tagger import StructuralTagger, bucket_of
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -49,6 +50,18 @@ def build_rank(config: EngineConfig, rank: int, world_size: int, port: int) -> t
                                head_dim=mc.head_dim, dtype=dtype, block_size=config.block_size,
                                max_bytes=config.kv_cache_bytes, device=str(device)))
     return ModelRunner(model, kv, device), kv
+
+
+def _tagger_for(grammar: GrammarSpec | None) -> StructuralTagger:
+    """The structural tagger matching a request's output format."""
+    if grammar is not None and grammar.kind == "tools":
+        return StructuralTagger(tools=grammar.value.get("tools"))
+    if grammar is not None and grammar.kind == "json_schema":
+        schema = grammar.value if isinstance(grammar.value, dict) else json.loads(grammar.value)
+        return StructuralTagger(json_schema=schema)
+    if grammar is not None and grammar.kind == "json_object":
+        return StructuralTagger(json_schema={})
+    return StructuralTagger()
 
 
 class LLMEngine:
@@ -141,6 +154,8 @@ class LLMEngine:
         matcher = self.grammar.matcher(grammar) if grammar is not None else None
         seq = Sequence(request_id, ids, params, matcher=matcher, kv_budget=budget,
                        generator=torch.Generator().manual_seed(params.seed) if params.seed is not None else None)
+        if getattr(self.policy, "needs_tags", False):
+            seq.policy_state["tagger"] = _tagger_for(grammar)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -218,6 +233,9 @@ class LLMEngine:
         ratio = held / self.kv.full_kv_bytes(seq.num_tokens)
         m.kv_ratio_sum, m.kv_ratio_max, m.num_steps = m.kv_ratio_sum + ratio, max(m.kv_ratio_max, ratio), m.num_steps + 1
         seq.output_token_ids.append(token)
+        tagger = seq.policy_state.get("tagger")
+        if tagger is not None:  # PASK: the token's structural bucket, used when its KV is stored
+            seq.policy_state.setdefault("tags", {})[seq.num_tokens - 1] = bucket_of(tagger.feed(self.tokenizer.decode([token])))
         p = seq.params
         if seq.matcher is not None and not seq.matcher.is_terminated():
             seq.matcher.accept_token(token)

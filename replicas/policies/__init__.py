@@ -1,6 +1,7 @@
 """Baseline KV compression policies, one file each (kvpress style)."""
 
 from replicas.policies.h2o import H2OPolicy
+from replicas.policies.pask import PASKPolicy, PASKTable
 from replicas.policies.pyramidkv import PyramidKVPolicy
 from replicas.policies.random import RandomPolicy
 from replicas.policies.recency import RecencyPolicy
@@ -12,6 +13,8 @@ from replicas.policy import FullKV, KVPolicy
 BASELINES = {p.name: p for p in (StreamingLLMPolicy, H2OPolicy, SnapKVPolicy, PyramidKVPolicy,
                                  RandomPolicy, RecencyPolicy)}
 POLICIES: dict[str, type[KVPolicy]] = {"full": FullKV, **BASELINES}
+# PASK needs its calibrated table (policy argument ``table``); it joins POLICIES with its shipped
+# table once calibration lands.
 
 
 def make_policy(name: str, **kwargs) -> KVPolicy:
@@ -27,5 +30,5 @@ def make_policy(name: str, **kwargs) -> KVPolicy:
     except TypeError as e:
         raise ValueError(f"bad settings for KV policy {name!r}: {e}") from None
 
-__all__ = ["BASELINES", "POLICIES", "make_policy", "H2OPolicy", "PyramidKVPolicy", "RandomPolicy", "RecencyPolicy",
+__all__ = ["BASELINES", "POLICIES", "make_policy", "H2OPolicy", "PASKPolicy", "PASKTable", "PyramidKVPolicy", "RandomPolicy", "RecencyPolicy",
            "SnapKVPolicy", "StreamingLLMPolicy"]
