@@ -23,7 +23,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.log.is_file():
         print(f"error: no training log at {args.log} (written by python -m models.train)", file=sys.stderr)
         return 2
-    rows = [json.loads(line) for line in args.log.read_text().splitlines() if line.strip()]
+    # A run resumed from an earlier checkpoint logs some steps twice: keep the last record of each.
+    by_step_row = {}
+    for line in args.log.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            by_step_row[row["step"]] = row
+    rows = [by_step_row[s] for s in sorted(by_step_row)]
     evals = [r for r in rows if "dev_exact_match" in r]
     import matplotlib
     matplotlib.use("Agg")
