@@ -79,11 +79,11 @@ class EngineRunner:
     """Greedy decoding through our engine, all items of a run batched together."""
 
     def __init__(self, model_dir: Path, policy: str, budget: float, grammar: bool,
-                 max_new_tokens: int = 256, max_num_seqs: int = 16):
+                 max_new_tokens: int = 256, max_num_seqs: int = 16, policy_args: dict | None = None):
         from replicas.config import EngineConfig
         from replicas.engine import LLMEngine
         self.engine = LLMEngine(EngineConfig(model=str(model_dir), kv_policy=policy, kv_budget=budget,
-                                             max_num_seqs=max_num_seqs))
+                                             max_num_seqs=max_num_seqs, kv_policy_args=policy_args or {}))
         self.grammar, self.max_new_tokens = grammar, max_new_tokens
         self.kv_ratios: list[tuple[float, float]] = []
 
@@ -152,6 +152,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, help="also write the summary as JSON here")
     ap.add_argument("--backend", default="engine", choices=("engine", "hf"), help="decoder to run")
     ap.add_argument("--grammar", action="store_true", help="constrain output with the tools grammar")
+    ap.add_argument("--pask-table", type=Path, help="PASK table folder (default: the one shipped for the model)")
     args = ap.parse_args(argv)
     known = bfcl.CATEGORIES if args.split == "bfcl" else synth.CATEGORIES
     for c in args.category or []:
@@ -178,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.backend == "hf":
         runner = HFGreedyRunner(model_dir)
     else:
-        runner = EngineRunner(model_dir, args.policy, args.budget, args.grammar)
+        policy_args = {"table": str(args.pask_table)} if args.pask_table and args.policy == "pask" else {}
+        runner = EngineRunner(model_dir, args.policy, args.budget, args.grammar, policy_args=policy_args)
     summary = report(evaluate(runner, items), args.policy, args.budget, args.split)
     ratios = getattr(runner, "kv_ratios", None)
     if ratios:

@@ -3,7 +3,8 @@
     python -m bench.sweep [--policies P ...] [--budgets 1.0 0.5 0.33 0.25 0.15] [--split test]
                           [--category C ...] [--limit N] [--out docs/results]
 
-Runs ``bench.accuracy`` for each (policy, budget) (full KV only at 1.0) and writes
+Runs ``bench.accuracy`` for each (policy, budget) (full KV only at 1.0; greedy, tools grammar on
+unless ``--no-grammar``) and writes
 ``sweep.md`` (table), ``sweep.json`` and ``sweep.png`` (accuracy vs budget, one line per policy)
 under ``--out``. Each row also gives the achieved budget ratio (mean and max over requests), which
 the engine holds at or below the requested budget.
@@ -17,20 +18,27 @@ import sys
 from pathlib import Path
 
 from bench import accuracy
+from replicas.errors import InvalidRequestError
 from replicas.policies import POLICIES
 
 BUDGETS = (1.0, 0.5, 0.33, 0.25, 0.15)
 
 
-def run(policies, budgets, split, categories, limit, model=None) -> list[dict]:
+def run(policies, budgets, split, categories, limit, model=None, grammar=True, pask_table=None) -> list[dict]:
     rows = []
     items = accuracy.load_items(split, categories)
     if limit:
         items = [i for c in categories for i in [x for x in items if x.category == c][:limit]]
     for policy in policies:
         for budget in (budgets if policy != "full" else [1.0]):
-            runner = accuracy.EngineRunner(accuracy.resolve_checkpoint(model), policy, budget, grammar=False)
-            summary = accuracy.report(accuracy.evaluate(runner, items), policy, budget, split)
+            args = {"table": str(pask_table)} if policy == "pask" and pask_table else {}
+            try:
+                runner = accuracy.EngineRunner(accuracy.resolve_checkpoint(model), policy, budget, grammar,
+                                               max_num_seqs=len(items), policy_args=args)
+                summary = accuracy.report(accuracy.evaluate(runner, items, progress=False), policy, budget, split)
+            except InvalidRequestError as e:  # a policy that refuses a budget is a skipped row
+                print(f"{policy:<14} budget {budget:<5} skipped: {type(e).__name__}: {e}", flush=True)
+                continue
             ratios = runner.kv_ratios
             summary["kv_ratio_mean"] = sum(r[0] for r in ratios) / len(ratios)
             summary["kv_ratio_max"] = max(r[1] for r in ratios)
@@ -80,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, help="examples per category")
     ap.add_argument("--model", type=Path)
     ap.add_argument("--out", type=Path, default=Path("docs/results"))
+    ap.add_argument("--no-grammar", action="store_true", help="decode without the tools grammar "
+                    "(PASK's structural tags then come from the lexer alone)")
+    ap.add_argument("--pask-table", type=Path, help="PASK table folder (default: shipped for the model)")
     args = ap.parse_args(argv)
     bad = [b for b in args.budgets if not 0.0 < b <= 1.0]
     if bad:
@@ -87,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [c for c in args.category if c not in accuracy.synth.CATEGORIES]
     if unknown:
         ap.error(f"unknown categories {unknown}; choose from {', '.join(accuracy.synth.CATEGORIES)}")
-    rows = run(args.policies, args.budgets, args.split, args.category, args.limit, args.model)
+    rows = run(args.policies, args.budgets, args.split, args.category, args.limit, args.model,
+               not args.no_grammar, args.pask_table)
     write(rows, args.out, args.category)
     print(f"wrote {args.out / 'sweep.md'}, sweep.json, sweep.png")
     return 0

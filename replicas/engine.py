@@ -28,6 +28,7 @@ from replicas.sampler import sample
 from replicas.sampling_params import SamplingParams
 from replicas.scheduler import Scheduler, SchedulerConfig
 from replicas.sequence import RequestOutput, Sequence, SequenceStatus
+from replicas.prompt_labels import prompt_labels
 from replicas.tagger import StructuralTagger, bucket_of
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -89,6 +90,8 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
         self.policy = make_policy(config.kv_policy, **config.kv_policy_args)
+        if hasattr(self.policy, "bind_model"):
+            self.policy.bind_model(path)
         self.generator = torch.Generator().manual_seed(config.seed)
         self._grammar: GrammarCompiler | None = None
         self._seqs: dict[str, Sequence] = {}
@@ -151,11 +154,19 @@ class LLMEngine:
             self.policy.check(len(ids), budget, self.kv)
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
+        labels = None
+        if getattr(self.policy, "needs_tags", False):
+            labels = prompt_labels(self.tokenizer, ids)
+            try:
+                self.policy.check_prompt(labels, budget, self.kv)
+            except ValueError as e:
+                raise InvalidRequestError(str(e)) from None
         matcher = self.grammar.matcher(grammar) if grammar is not None else None
         seq = Sequence(request_id, ids, params, matcher=matcher, kv_budget=budget,
                        generator=torch.Generator().manual_seed(params.seed) if params.seed is not None else None)
         if getattr(self.policy, "needs_tags", False):
             seq.policy_state["tagger"] = _tagger_for(grammar)
+            seq.policy_state["prompt_labels"] = labels
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -202,6 +213,7 @@ class LLMEngine:
     def _apply(self, seq: Sequence, actions: list[KVAction]) -> None:
         for a in actions:
             self.kv.set_precision(seq.request_id, a.layer, a.positions, a.precision)
+        self.policy.hold_budget(seq, self.kv, seq.kv_budget)
         self._hold_to_budget(seq)
 
     def _hold_to_budget(self, seq: Sequence) -> None:
@@ -209,6 +221,8 @@ class LLMEngine:
         that leaves a sequence above it has its oldest entries released here (counted in
         ``metrics.budget_fallbacks``; the baselines and PASK never need it)."""
         kv, rid = self.kv, seq.request_id
+        if seq.kv_budget >= 1.0:  # no compression asked (mixed-precision pages may round above 1.0)
+            return
         allowed = seq.kv_budget * kv.full_kv_bytes(seq.num_tokens)
         if kv.sequence_bytes(rid) <= allowed + 1e-6:
             return

@@ -78,6 +78,10 @@ class KVPolicy:
     def on_decode(self, view: DecodeView) -> list[KVAction]:
         return []
 
+    def hold_budget(self, seq: Sequence, kv: KVCache, budget: float) -> None:
+        """After a step's actions: bring ``seq`` within ``budget`` x full-KV bytes the policy's way
+        (PASK demotes its table state). The engine's own fallback runs after it."""
+
 
 class FullKV(KVPolicy):
     """Keep every entry at HIGH precision (the reference policy)."""

@@ -30,3 +30,35 @@ def chat_prompts(engine):
             out.append(engine.tokenizer.apply_chat_template(ex.messages, tools=ex.tools, add_generation_prompt=True,
                                                             return_dict=True)["input_ids"])
     return out
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster (2 CPUs) for every Ray test of the session."""
+    # A loaded 2-core machine can take more than Serve's default 5 s to report the proxy ready.
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def micro_model(tmp_path_factory):
+    """A 2-layer random Qwen3 checkpoint with the embedded model's tokenizer and chat template."""
+    import shutil
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from models import EMBEDDED_MODEL_DIR
+    out = tmp_path_factory.mktemp("micro-qwen3")
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=4096,
+                      tie_word_embeddings=True)
+    Qwen3ForCausalLM(cfg).save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (EMBEDDED_MODEL_DIR / f).is_file():
+            shutil.copy(EMBEDDED_MODEL_DIR / f, out / f)
+    return out

@@ -12,9 +12,9 @@ from replicas.policy import FullKV, KVPolicy
 
 BASELINES = {p.name: p for p in (StreamingLLMPolicy, H2OPolicy, SnapKVPolicy, PyramidKVPolicy,
                                  RandomPolicy, RecencyPolicy)}
-POLICIES: dict[str, type[KVPolicy]] = {"full": FullKV, **BASELINES}
-# PASK needs its calibrated table (policy argument ``table``); it joins POLICIES with its shipped
-# table once calibration lands.
+# PASK reads its calibrated table (policy argument ``table``: a folder; default: the one shipped
+# for the served model).
+POLICIES: dict[str, type[KVPolicy]] = {"full": FullKV, **BASELINES, "pask": PASKPolicy}
 
 
 def make_policy(name: str, **kwargs) -> KVPolicy:

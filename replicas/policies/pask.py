@@ -1,100 +1,281 @@
 """PASK online policy: per-token table lookup from structural tags, under a budget state.
 
-Source: PASK, parser-aware structural KV persistence (design section 4.5): each generated token's
+Source: PASK, parser-aware structural KV persistence (design section 4.5). Each generated token's
 structural bucket (``replicas.tagger``) and each layer group index a frozen, offline-calibrated
-table of actions (RELEASE < INT4 < INT8 < HIGH). No attention statistics at run time.
+action table (RELEASE < INT4 < INT8 < HIGH; INT4 is our extension beyond the paper's three levels);
+the prompt-side companion does the same for prompt tokens with input-derived labels
+(``replicas.prompt_labels``). No attention statistics at run time.
 
-Budget state (constant size): the calibrated candidate family is nested: the floors, then a
-sequence of adjacent upgrades ``(bucket, group)`` one precision step each, in calibrated order. The
-state is how many upgrades are applied; a lower replica budget applies fewer (demoting above-floor
-cells in reverse upgrade order), a higher one more. Floors are never crossed.
-
-Prompt tokens are kept at HIGH here: the prompt side is CompilerKV's (or the PASK prompt-side
-companion's) job, composed by the engine's combined policy.
+Budget state (constant size per sequence: two integers). Each side's calibrated candidate family
+is nested: the floors, then a sequence of adjacent upgrades ``(bucket, group)``, one precision step
+each, in calibrated order. The state ``(k_prompt, k_decode)`` says how many upgrades of each family
+are applied. After prefill ``k_prompt`` is the largest state whose expected bytes fit the budget;
+after every step, while the sequence holds more than ``budget x full-KV bytes``, the last applied
+decode upgrade is undone (its cell's existing entries demoted one level), then the prompt's. When
+the budget rises, later tokens get the larger state. Floors are never crossed: a request whose
+prompt cannot meet its budget at the floors is refused before it runs (:meth:`PASKPolicy.check_prompt`).
 """
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 
 import torch
 
-from replicas.kv_cache import Precision
+from replicas.kv_cache import KVCache, Precision
 from replicas.policy import DecodeView, KVAction, KVPolicy, PrefillView
+from replicas.prompt_labels import NUM_PROMPT_BUCKETS
 from replicas.tagger import NUM_BUCKETS
 
 
 @dataclass
-class PASKTable:
-    """A frozen PASK table (the tensors of a ``calibration.artifacts.TableArtifact`` of kind "pask").
+class SideTable:
+    """One side's nested candidate family.
 
     Attributes:
         floors: ``[num_buckets, G]`` int, the cheapest precision each cell tolerates (Precision values).
         upgrades: ``[U, 2]`` int, (bucket, group) of each adjacent upgrade, in calibrated order.
-        upgrade_costs: ``[U]`` float, cumulative expected KV fraction after each upgrade (rising).
-        floor_cost: expected KV fraction with the floors alone.
-        layer_groups: G contiguous ``(start, end)`` layer ranges covering all layers.
+        upgrade_costs: ``[U + 1]`` float, expected KV fraction of this side's tokens with the first
+            ``k`` upgrades applied (``k = 0``: floors only), from the calibration data's bucket mix.
     """
     floors: torch.Tensor
     upgrades: torch.Tensor
     upgrade_costs: torch.Tensor
-    floor_cost: float
+
+    def __post_init__(self):
+        self.floors = self.floors.to(torch.int64)
+        self.upgrades = self.upgrades.to(torch.int64).reshape(-1, 2)
+        self.upgrade_costs = self.upgrade_costs.to(torch.float64)
+        if len(self.upgrade_costs) != len(self.upgrades) + 1:
+            raise ValueError(f"upgrade_costs must have U + 1 = {len(self.upgrades) + 1} entries, "
+                             f"got {len(self.upgrade_costs)}")
+        if ((self.floors < int(Precision.RELEASED)) | (self.floors > int(Precision.HIGH))).any():
+            raise ValueError("floors must hold Precision values 0..3")
+        table, self._states = self.floors.clone(), [self.floors.clone()]
+        for i, (bucket, group) in enumerate(self.upgrades.tolist()):
+            if not (0 <= bucket < table.shape[0] and 0 <= group < table.shape[1]):
+                raise ValueError(f"upgrade {i} names cell ({bucket}, {group}) outside the table")
+            if table[bucket, group] >= int(Precision.HIGH):
+                raise ValueError(f"upgrade {i} ({bucket}, {group}) lifts a cell that is already HIGH")
+            table[bucket, group] += 1
+            self._states.append(table.clone())
+
+    @property
+    def num_upgrades(self) -> int:
+        return len(self.upgrades)
+
+    def actions_at(self, k: int) -> torch.Tensor:
+        """The ``[num_buckets, G]`` action table with the first ``k`` upgrades applied."""
+        return self._states[k]
+
+    def state_for(self, budget: float) -> int:
+        """Most upgrades whose expected KV fraction stays within ``budget`` (0 = floors only)."""
+        return max(0, int((self.upgrade_costs <= budget + 1e-9).sum()) - 1)
+
+
+@dataclass
+class PASKTable:
+    """A frozen PASK table: the decode side, the prompt side and the layer groups.
+
+    Attributes:
+        decode: family over the generated tokens' structural buckets (``replicas.tagger.BUCKETS``).
+        prompt: family over the prompt tokens' labels (``replicas.prompt_labels.PROMPT_BUCKETS``).
+        layer_groups: G contiguous ``(start, end)`` layer ranges covering all layers.
+    """
+    decode: SideTable
+    prompt: SideTable
     layer_groups: list[tuple[int, int]]
 
     def __post_init__(self):
         g = len(self.layer_groups)
-        if self.floors.shape != (NUM_BUCKETS, g):
-            raise ValueError(f"floors must be [{NUM_BUCKETS}, {g}], got {tuple(self.floors.shape)}")
-        if self.upgrades.dim() != 2 or self.upgrades.shape[1] != 2 or len(self.upgrade_costs) != len(self.upgrades):
-            raise ValueError("upgrades must be [U, 2] with one cumulative cost per upgrade")
-        if any(b <= a for a, b in self.layer_groups) or any(
+        if g < 1 or self.layer_groups[0][0] != 0 or any(b <= a for a, b in self.layer_groups) or any(
                 self.layer_groups[i][1] != self.layer_groups[i + 1][0] for i in range(g - 1)):
-            raise ValueError(f"layer groups must be contiguous, non-empty ranges: {self.layer_groups}")
+            raise ValueError(f"layer groups must be contiguous, non-empty ranges from layer 0: {self.layer_groups}")
+        for side, n in ((self.decode, NUM_BUCKETS), (self.prompt, NUM_PROMPT_BUCKETS)):
+            if tuple(side.floors.shape) != (n, g):
+                raise ValueError(f"floors must be [{n}, {g}], got {tuple(side.floors.shape)}")
 
-    def actions_at(self, num_upgrades: int) -> torch.Tensor:
-        """The ``[num_buckets, G]`` action table with the first ``num_upgrades`` upgrades applied."""
-        table = self.floors.clone()
-        for bucket, group in self.upgrades[:num_upgrades].tolist():
-            table[bucket, group] = min(int(table[bucket, group]) + 1, int(Precision.HIGH))
-        return table
+    @property
+    def num_layers(self) -> int:
+        return self.layer_groups[-1][1]
 
-    def upgrades_for_budget(self, budget: float) -> int:
-        """Most upgrades whose expected KV fraction stays within ``budget`` (0 = floors only)."""
-        return bisect.bisect_right(self.upgrade_costs.tolist(), budget)
+    def group_of_layer(self) -> list[int]:
+        return [g for g, (a, b) in enumerate(self.layer_groups) for _ in range(a, b)]
+
+    # ------------------------------------------------------------------ artifacts
+    def to_tables(self) -> dict[str, torch.Tensor]:
+        return {"decode_floors": self.decode.floors.to(torch.int8), "decode_upgrades": self.decode.upgrades,
+                "decode_upgrade_costs": self.decode.upgrade_costs, "prompt_floors": self.prompt.floors.to(torch.int8),
+                "prompt_upgrades": self.prompt.upgrades, "prompt_upgrade_costs": self.prompt.upgrade_costs,
+                "layer_groups": torch.tensor(self.layer_groups, dtype=torch.int64)}
+
+    @classmethod
+    def from_tables(cls, t: dict[str, torch.Tensor]) -> "PASKTable":
+        return cls(SideTable(t["decode_floors"], t["decode_upgrades"], t["decode_upgrade_costs"]),
+                   SideTable(t["prompt_floors"], t["prompt_upgrades"], t["prompt_upgrade_costs"]),
+                   [tuple(r) for r in t["layer_groups"].tolist()])
+
+    @classmethod
+    def load(cls, folder, model_dir=None) -> "PASKTable":
+        """Load a calibrated table artifact (``calibration.artifacts``); validates hash and model.
+
+        Raises:
+            calibration.artifacts.ArtifactError: missing, corrupted, or calibrated for another model.
+        """
+        from calibration.artifacts import load_artifact
+        return cls.from_tables(load_artifact(folder, "pask", model_dir).tables)
+
+    @classmethod
+    def uniform(cls, decode: Precision, prompt: Precision, layer_groups: list[tuple[int, int]]) -> "PASKTable":
+        """A table with every cell of each side fixed at one precision and no upgrades."""
+        g = len(layer_groups)
+        side = lambda n, p: SideTable(torch.full((n, g), int(p)), torch.empty(0, 2), torch.zeros(1))
+        return cls(side(NUM_BUCKETS, decode), side(NUM_PROMPT_BUCKETS, prompt), layer_groups)
+
+
+def level_costs(kv: KVCache) -> torch.Tensor:
+    """``[4]`` bytes of one token-layer entry at each Precision, relative to HIGH (page costs)."""
+    high = kv.page_cost(Precision.HIGH)
+    return torch.tensor([0.0] + [kv.page_cost(p) / high for p in (Precision.INT4, Precision.INT8)] + [1.0],
+                        dtype=torch.float64)
+
+
+def expected_fraction(counts: torch.Tensor, actions: torch.Tensor, group_sizes: torch.Tensor,
+                      costs: torch.Tensor) -> float:
+    """Expected KV fraction of tokens with bucket ``counts [B]`` under ``actions [B, G]``."""
+    total = float(counts.sum())
+    if total == 0:
+        return 0.0
+    per_cell = costs[actions] * group_sizes[None, :].double()                 # [B, G]
+    return float((counts.double()[:, None] * per_cell).sum()) / (total * float(group_sizes.sum()))
 
 
 @dataclass
 class PASKPolicy(KVPolicy):
     """Attributes:
-        table: the frozen table (a calibrated one ships with the embedded model).
+        table: a :class:`PASKTable`, or the path of a calibrated artifact folder (None: the table
+            shipped with the embedded model).
     """
-    table: PASKTable | None = None
+    table: PASKTable | str | None = None
     name = "pask"
     needs_tags = True
-    _cache: dict = field(default_factory=dict, repr=False)
+    _costs: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self):
-        if self.table is None:
-            raise ValueError("PASK needs a calibrated table (python -m calibration pask --model PATH --out DIR)")
+        if isinstance(self.table, PASKTable):
+            self._group_sizes = torch.tensor([b - a for a, b in self.table.layer_groups])
 
-    def state_for(self, budget: float) -> torch.Tensor:
-        """The action table for a budget (cached: one per distinct budget)."""
-        if budget not in self._cache:
-            self._cache[budget] = self.table.actions_at(self.table.upgrades_for_budget(budget))
-        return self._cache[budget]
+    def bind_model(self, model_dir) -> None:
+        """Load the table (a path, or the one shipped for ``model_dir``) and check it was calibrated
+        for ``model_dir``.
 
+        Raises:
+            calibration.artifacts.ArtifactError: no table for this model, or a corrupted one.
+        """
+        if isinstance(self.table, PASKTable):
+            return
+        from calibration import shipped_table
+        self.table = PASKTable.load(self.table or shipped_table("pask", model_dir), model_dir)
+        self._group_sizes = torch.tensor([b - a for a, b in self.table.layer_groups])
+
+    def _check_layers(self, kv: KVCache) -> None:
+        if not isinstance(self.table, PASKTable):
+            raise ValueError("PASK has no table yet: call bind_model(model_dir) or pass a PASKTable")
+        if kv.cfg.num_layers != self.table.num_layers:
+            raise ValueError(f"the PASK table covers {self.table.num_layers} layers, the model has {kv.cfg.num_layers}")
+        if self._costs is None:
+            self._costs = level_costs(kv)
+
+    def check(self, num_prompt_tokens: int, budget: float, kv: KVCache) -> None:
+        self._check_layers(kv)
+
+    def check_prompt(self, labels: list[int], budget: float, kv: KVCache) -> None:
+        """Refuse a prompt whose floors alone exceed ``budget``.
+
+        Raises:
+            ValueError: the message gives the floors' KV fraction for this prompt.
+        """
+        self._check_layers(kv)
+        counts = torch.bincount(torch.tensor(labels, dtype=torch.long), minlength=NUM_PROMPT_BUCKETS)
+        floor = expected_fraction(counts, self.table.prompt.actions_at(0), self._group_sizes, self._costs)
+        if floor > budget:
+            raise ValueError(f"the PASK floors keep {floor:.3f} of this prompt's KV, above the requested "
+                             f"budget of {budget}; raise kv_budget to at least {floor:.2f}")
+
+    # ------------------------------------------------------------------ hooks
     def on_prefill(self, view: PrefillView) -> list[KVAction]:
-        return []
+        seq, state = view.seq, view.seq.policy_state
+        self._check_layers(view.kv)
+        labels = state.get("prompt_labels") or [0] * len(seq.prompt_token_ids)
+        tags = state.setdefault("tags", {})
+        prompt_len = len(seq.prompt_token_ids)
+        counts = torch.bincount(torch.tensor(labels, dtype=torch.long), minlength=NUM_PROMPT_BUCKETS)
+        prompt = self.table.prompt
+        k = 0
+        for cand in range(prompt.num_upgrades, -1, -1):
+            if expected_fraction(counts, prompt.actions_at(cand), self._group_sizes, self._costs) <= view.budget:
+                k = cand
+                break
+        state["pask_k"] = [k, self.table.decode.state_for(view.budget)]
+        state["pask_budget"] = view.budget
+        actions = self._actions(prompt.actions_at(k), {p: labels[p] for p in range(prompt_len)})
+        # After a preemption the recomputed outputs are prefilled too: they keep their decode actions.
+        outputs = {p: tags[p] for p in range(prompt_len, view.num_prefilled) if p in tags}
+        actions += self._actions(self.table.decode.actions_at(state["pask_k"][1]), outputs)
+        return actions
 
     def on_decode(self, view: DecodeView) -> list[KVAction]:
-        bucket = view.seq.policy_state.get("tags", {}).get(view.position)
+        state = view.seq.policy_state
+        if "pask_k" not in state:
+            return []
+        if view.budget > state["pask_budget"]:  # the budget rose: later tokens get a larger state
+            state["pask_k"][1] = max(state["pask_k"][1], self.table.decode.state_for(view.budget))
+        state["pask_budget"] = view.budget
+        bucket = state.get("tags", {}).get(view.position)
         if bucket is None:
             return []
-        actions = self.state_for(view.budget)[bucket]
+        return self._actions(self.table.decode.actions_at(state["pask_k"][1]), {view.position: bucket})
+
+    def hold_budget(self, seq, kv: KVCache, budget: float) -> None:
+        """Demote above-floor cells, last upgrade first (decode side, then prompt side), until the
+        sequence holds at most ``budget`` x full-KV bytes or both sides are at their floors. The
+        engine calls it after applying each step's actions."""
+        state = seq.policy_state
+        if "pask_k" not in state or budget >= 1.0:
+            return
+        allowed = budget * kv.full_kv_bytes(seq.num_tokens)
+        prompt_len = len(seq.prompt_token_ids)
+        while kv.sequence_bytes(seq.request_id) > allowed + 1e-6:
+            kp, kd = state["pask_k"]
+            if kd > 0:
+                side, k, positions = self.table.decode, kd - 1, {p: b for p, b in state["tags"].items() if p >= prompt_len}
+                state["pask_k"][1] = k
+            elif kp > 0:
+                side, k = self.table.prompt, kp - 1
+                positions = dict(enumerate(state.get("prompt_labels") or []))
+                state["pask_k"][0] = k
+            else:
+                break
+            bucket, group = side.upgrades[k].tolist()
+            level = Precision(int(side.actions_at(k)[bucket, group]))
+            start, end = self.table.layer_groups[group]
+            cell = tuple(p for p, b in positions.items() if b == bucket)
+            for layer in range(start, end):
+                kept = kv.kept(seq.request_id, layer)
+                demote = tuple(p for p in cell if p in kept and kept[p] > level)
+                if demote:
+                    kv.set_precision(seq.request_id, layer, demote, level)
+
+    def _actions(self, table: torch.Tensor, buckets: dict[int, int]) -> list[KVAction]:
+        """Per layer, the positions whose action is below HIGH, grouped by precision."""
         out = []
-        for group, (start, end) in enumerate(self.table.layer_groups):
-            precision = Precision(int(actions[group]))
-            if precision != Precision.HIGH:
-                out.extend(KVAction(layer, (view.position,), precision) for layer in range(start, end))
+        by_cell: dict[tuple[int, int], list[int]] = {}
+        for pos, bucket in buckets.items():
+            for group in range(len(self.table.layer_groups)):
+                level = int(table[bucket, group])
+                if level != int(Precision.HIGH):
+                    by_cell.setdefault((group, level), []).append(pos)
+        for (group, level), positions in sorted(by_cell.items()):
+            start, end = self.table.layer_groups[group]
+            out.extend(KVAction(layer, tuple(positions), Precision(level)) for layer in range(start, end))
         return out

@@ -14,22 +14,15 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
 
 
 @pytest.fixture(scope="module")
-def serve_url():
-    import os
-    # A loaded 2-core machine can take more than Serve's default 5 s to report the proxy ready.
-    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
-    os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
-    ray = pytest.importorskip("ray")
+def serve_url(ray_cluster):
     from ray import serve
 
     from cluster.app import build_app
-    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
     serve.start(http_options={"host": "127.0.0.1", "port": 8123})
     serve.run(build_app({"model": "models/qwen3-fc-6m", "num_cpus": 0.5, "kv_cache_bytes": 64 << 20}),
               name="structkv", route_prefix="/")
     yield "http://127.0.0.1:8123"
     serve.shutdown()
-    ray.shutdown()
 
 
 def test_chat_tool_call_over_http(serve_url):

@@ -1,62 +1,119 @@
-"""PASK online policy: table states under a budget, floors, and per-token actions in the engine."""
+"""PASK online policy: table states, floors, budget state, and per-token actions in the engine."""
 
 import pytest
 import torch
 
+from replicas.errors import InvalidRequestError
 from replicas.grammar import GrammarSpec
 from replicas.kv_cache import Precision
 from replicas.policies import PASKPolicy, PASKTable
+from replicas.policies.pask import SideTable
+from replicas.prompt_labels import NUM_PROMPT_BUCKETS, PROMPT_BUCKETS
 from replicas.sampling_params import SamplingParams
 from replicas.tagger import BUCKETS, NUM_BUCKETS
 
 P = {b: i for i, b in enumerate(BUCKETS)}
+Q = {b: i for i, b in enumerate(PROMPT_BUCKETS)}
+HIGH, INT8, INT4, REL = (int(p) for p in (Precision.HIGH, Precision.INT8, Precision.INT4, Precision.RELEASED))
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"]}}}]
 
 
-def table():
-    floors = torch.full((NUM_BUCKETS, 2), int(Precision.HIGH), dtype=torch.int8)
-    floors[P["punctuation"]] = int(Precision.RELEASED)
-    floors[P["whitespace"], 1] = int(Precision.INT4)
+def small_table():
+    floors = torch.full((NUM_BUCKETS, 2), HIGH)
+    floors[P["punctuation"]] = REL
+    floors[P["whitespace"], 1] = INT4
     upgrades = torch.tensor([[P["punctuation"], 0], [P["punctuation"], 0], [P["whitespace"], 1]])
-    return PASKTable(floors, upgrades, torch.tensor([0.4, 0.5, 0.6]), 0.3, [(0, 3), (3, 6)])
+    prompt = torch.full((NUM_PROMPT_BUCKETS, 2), HIGH)
+    prompt[Q["description"], 1] = REL
+    return PASKTable(SideTable(floors, upgrades, torch.tensor([0.3, 0.4, 0.5, 0.6])),
+                     SideTable(prompt, torch.empty(0, 2), torch.zeros(1)), [(0, 3), (3, 6)])
+
+
+def graded_table(groups=((0, 2), (2, 4), (4, 6))):
+    """Floors at INT4 / RELEASE for most cells, HIGH for the critical ones; upgrades to HIGH."""
+    from calibration.pask import build_family, family_costs
+    from replicas.kv_cache import KVCache, KVCacheConfig
+    from replicas.policies.pask import level_costs
+    g = len(groups)
+    sizes = torch.tensor([b - a for a, b in groups])
+    costs = level_costs(KVCache(KVCacheConfig(num_layers=6, num_kv_heads=4, head_dim=32, dtype=torch.float32,
+                                              max_bytes=1 << 20)))
+    sides = []
+    for n, critical in ((NUM_BUCKETS, [P["function_name"], P["enum_value"]]), (NUM_PROMPT_BUCKETS, [Q["tool_name"]])):
+        floors = torch.full((n, g), INT4)
+        floors[::3] = REL
+        floors[critical] = HIGH
+        dist = torch.rand(n, g, 4, generator=torch.Generator().manual_seed(n)).sort(-1, descending=True).values
+        dist[..., 3] = 0
+        weights = torch.ones(n, g) / (n * g)
+        ups = build_family(floors, dist, weights, costs)
+        sides.append(SideTable(floors, torch.tensor(ups).reshape(-1, 2),
+                               family_costs(floors, ups, torch.ones(n), sizes, costs)))
+    return PASKTable(sides[0], sides[1], list(groups))
 
 
 def test_budget_state_applies_upgrades_in_order_above_floors():
-    t = table()
-    assert t.upgrades_for_budget(0.2) == 0 and t.upgrades_for_budget(0.45) == 1 and t.upgrades_for_budget(1.0) == 3
-    floors = t.actions_at(0)
-    assert torch.equal(floors, t.floors)
-    assert t.actions_at(2)[P["punctuation"], 0] == Precision.INT8
-    for m in range(4):  # never below the floors, one step per upgrade
-        assert (t.actions_at(m) >= t.floors).all()
+    t = small_table().decode
+    assert t.state_for(0.2) == 0 and t.state_for(0.45) == 1 and t.state_for(1.0) == 3
+    assert torch.equal(t.actions_at(0), t.floors)
+    assert t.actions_at(2)[P["punctuation"], 0] == INT8
+    for k in range(4):  # never below the floors, one step per upgrade
+        assert (t.actions_at(k) >= t.floors).all()
+        if k:
+            assert int((t.actions_at(k) - t.actions_at(k - 1)).sum()) == 1
 
 
 def test_bad_tables_refused():
-    t = table()
+    t = small_table()
     with pytest.raises(ValueError, match="contiguous"):
-        PASKTable(t.floors, t.upgrades, t.upgrade_costs, 0.3, [(0, 3), (4, 6)])
+        PASKTable(t.decode, t.prompt, [(0, 3), (4, 6)])
     with pytest.raises(ValueError, match="floors must be"):
-        PASKTable(t.floors[:3], t.upgrades, t.upgrade_costs, 0.3, [(0, 3), (3, 6)])
-    with pytest.raises(ValueError, match="calibrated table"):
-        PASKPolicy()
+        PASKTable(SideTable(t.decode.floors[:3], torch.empty(0, 2), torch.zeros(1)), t.prompt, [(0, 3), (3, 6)])
+    with pytest.raises(ValueError, match="already HIGH"):
+        SideTable(t.decode.floors, torch.tensor([[P["function_name"], 0]]), torch.zeros(2))
+    with pytest.raises(ValueError, match="U \\+ 1"):
+        SideTable(t.decode.floors, torch.tensor([[P["punctuation"], 0]]), torch.zeros(1))
+
+
+def test_artifact_round_trip_and_wrong_model_refused(tmp_path):
+    from calibration.artifacts import ArtifactError, TableArtifact, model_fingerprint
+    from models import EMBEDDED_MODEL_DIR
+    t = graded_table()
+    TableArtifact("pask", t.to_tables(), model_fingerprint(EMBEDDED_MODEL_DIR)).save(tmp_path / "pask")
+    loaded = PASKTable.load(tmp_path / "pask", EMBEDDED_MODEL_DIR)
+    assert torch.equal(loaded.decode.actions_at(5), t.decode.actions_at(5)) and loaded.layer_groups == t.layer_groups
+    TableArtifact("pask", t.to_tables(), "0" * 64).save(tmp_path / "other")
+    with pytest.raises(ArtifactError, match="calibrated for model"):
+        PASKPolicy(str(tmp_path / "other")).bind_model(EMBEDDED_MODEL_DIR)
+
+
+def _run(engine, policy, prompt, budget, rid, max_tokens=40, check=None):
+    saved = engine.policy
+    engine.policy = policy
+    try:
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens),
+                           GrammarSpec("tools", {"tools": TOOLS, "tool_choice": "required"}), kv_budget=budget)
+        seq = engine._seqs[rid]
+        while not seq.is_finished:
+            engine.step()
+            if check and not seq.is_finished:
+                check(seq)
+        return seq
+    finally:
+        engine.abort(rid)
+        engine.policy = saved
 
 
 def test_engine_applies_actions_per_token_and_layer_group(engine, chat_prompts):
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"]}}}]
-    saved = engine.policy
-    engine.policy = PASKPolicy(table())
-    try:
-        engine.add_request("pask", chat_prompts[0], SamplingParams(max_tokens=60),
-                           GrammarSpec("tools", {"tools": tools, "tool_choice": "required"}), kv_budget=1.0)
-        seq = engine._seqs["pask"]
-        for _ in range(12):
-            engine.step()
+    prompt = chat_prompts[0]
+    seen = {}
+
+    def check(seq):
         tags = seq.policy_state["tags"]
-        stored = [p for p in tags if p < seq.num_tokens - 1]  # tokens whose KV is in the cache
-        assert any(tags[p] == P["punctuation"] for p in stored)
-        for p in stored:
-            low = engine.kv.kept("pask", 0).get(p)
-            high = engine.kv.kept("pask", 5).get(p)
+        for p in [p for p in tags if p < seq.num_tokens - 1]:  # tokens whose KV is in the cache
+            low, high = engine.kv.kept(seq.request_id, 0).get(p), engine.kv.kept(seq.request_id, 5).get(p)
+            seen[tags[p]] = True
             # budget 1.0: all three upgrades applied on top of the floors
             if tags[p] == P["punctuation"]:
                 assert low == Precision.INT8 and high is None
@@ -64,8 +121,43 @@ def test_engine_applies_actions_per_token_and_layer_group(engine, chat_prompts):
                 assert low == Precision.HIGH and high == Precision.INT8
             else:
                 assert low == high == Precision.HIGH
-        for p in range(len(chat_prompts[0])):
-            assert engine.kv.kept("pask", 3)[p] == Precision.HIGH  # prompt untouched
-    finally:
-        engine.abort("pask")
-        engine.policy = saved
+        labels = seq.policy_state["prompt_labels"]
+        for p in range(len(prompt)):
+            expect_high = labels[p] != Q["description"]
+            assert (engine.kv.kept(seq.request_id, 4).get(p) == Precision.HIGH) == expect_high
+            assert engine.kv.kept(seq.request_id, 1)[p] == Precision.HIGH
+
+    _run(engine, PASKPolicy(small_table()), prompt, 1.0, "pask-actions", max_tokens=16, check=check)
+    assert P["punctuation"] in seen
+
+
+@pytest.mark.parametrize("budget", [0.3, 0.45, 0.7])
+def test_budget_state_holds_budget_and_floors(engine, chat_prompts, budget):
+    table = graded_table()
+    group = table.group_of_layer()
+    steps = []
+
+    def check(seq):
+        kv, rid = engine.kv, seq.request_id
+        assert kv.sequence_bytes(rid) <= budget * kv.full_kv_bytes(seq.num_tokens) + 1e-6
+        prompt_len = len(seq.prompt_token_ids)
+        labels, tags = seq.policy_state["prompt_labels"], seq.policy_state["tags"]
+        for layer in range(6):
+            kept = kv.kept(rid, layer)
+            for p in range(seq.num_tokens - 1):
+                floor = table.prompt.floors[labels[p]] if p < prompt_len else table.decode.floors[tags[p]]
+                assert int(kept.get(p, Precision.RELEASED)) >= int(floor[group[layer]]), (layer, p)
+        steps.append(list(seq.policy_state["pask_k"]))
+
+    seq = _run(engine, PASKPolicy(table), chat_prompts[2], budget, f"pask-{budget}", check=check)
+    assert seq.metrics.budget_fallbacks == 0 and len(steps) > 5
+    assert seq.metrics.kv_ratio_max <= budget + 1e-6
+
+
+def test_budget_below_floors_refused_and_lower_budget_demotes(engine, chat_prompts):
+    table = graded_table()
+    with pytest.raises(InvalidRequestError, match="floors keep"):
+        _run(engine, PASKPolicy(table), chat_prompts[1], 0.05, "pask-low")
+    hi = _run(engine, PASKPolicy(table), chat_prompts[1], 0.9, "pask-hi", max_tokens=8)
+    lo = _run(engine, PASKPolicy(table), chat_prompts[1], 0.3, "pask-lo", max_tokens=8)
+    assert lo.policy_state["pask_k"][0] < hi.policy_state["pask_k"][0]

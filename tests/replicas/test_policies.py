@@ -8,7 +8,7 @@ import torch
 
 from replicas.errors import InvalidRequestError
 from replicas.kv_cache import KVCache, KVCacheConfig, Precision
-from replicas.policies import (H2OPolicy, POLICIES, PyramidKVPolicy, RandomPolicy, RecencyPolicy,
+from replicas.policies import (BASELINES, H2OPolicy, POLICIES, PyramidKVPolicy, RandomPolicy, RecencyPolicy,
                                SnapKVPolicy, StreamingLLMPolicy, make_policy)
 from replicas.policy import DecodeView, PrefillView
 from replicas.sampling_params import SamplingParams
@@ -100,7 +100,7 @@ def test_random_is_reproducible_per_request():
     assert kept(a) == kept(b) and len(kept(a)) == 16 and kept(a) != kept(c)
 
 
-@pytest.mark.parametrize("name", [n for n in POLICIES if n != "full"])
+@pytest.mark.parametrize("name", list(BASELINES))  # PASK: tests/replicas/test_pask_policy.py
 @pytest.mark.parametrize("budget", [0.5, 0.25])
 def test_decode_budget_never_exceeded_released_never_return(name, budget):
     policy = make_policy(name, **({"window_size": 4} if name in ("snapkv", "pyramidkv") else {}))
