@@ -75,10 +75,14 @@ class RayExecutor:
 
     def __init__(self, worker_cls, args: tuple, num_workers: int = 2, num_cpus: float = 1,
                  num_gpus: float = 0, address: str | None = None):
+        import os
+
         import ray
         if not ray.is_initialized():
-            ray.init(address=address, num_cpus=None if address else max(1, int(num_workers * num_cpus)),
-                     include_dashboard=False, log_to_driver=False)
+            if address or os.environ.get("RAY_ADDRESS"):   # a cluster (e.g. under `ray job submit`)
+                ray.init(address=address, log_to_driver=False)
+            else:
+                ray.init(num_cpus=max(1, int(num_workers * num_cpus)), include_dashboard=False, log_to_driver=False)
         actor = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(worker_cls)
         self._ray = ray
         self._actors = [actor.remote(*args) for _ in range(num_workers)]

@@ -461,7 +461,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--publish", action="store_true", help="publish the artifact to the cluster's table "
+                    "registry when done (replicas with budget_controller on switch to it)")
+    ap.add_argument("--version", help="version name when publishing (default: a timestamp)")
+    ap.add_argument("--address", help="Ray cluster to run on and publish to (default: RAY_ADDRESS, as set "
+                    "by `ray job submit`; else a local Ray instance)")
     args = ap.parse_args(argv)
+    import os
+    if args.publish and not (args.address or os.environ.get("RAY_ADDRESS")):
+        ap.error("--publish needs a running cluster: pass --address, or submit with `ray job submit`")
     from models import CheckpointNotFoundError, resolve_checkpoint, synth
     cats = tuple(c for c in args.categories.split(",") if c)
     bad = [c for c in cats if c not in synth.CATEGORIES]
@@ -477,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     worker_args = (str(model_dir), list(cats), args.per_category, args.num_groups, args.max_new_tokens)
     if args.executor == "ray":
         from calibration.executors import RayExecutor
-        executor = RayExecutor(ProbeWorker, worker_args, num_workers=args.workers)
+        executor = RayExecutor(ProbeWorker, worker_args, num_workers=args.workers, address=args.address)
     else:
         from calibration.executors import LocalExecutor
         executor = LocalExecutor(lambda: ProbeWorker(*worker_args))
@@ -493,4 +501,11 @@ def main(argv: list[str] | None = None) -> int:
     sel = artifact.meta["selected"]
     print(f"wrote {args.out}: dev accuracy {sel['accuracy']:.3f} at KV ratio {sel['kv_ratio']:.3f} "
           f"(full KV {artifact.meta['full_kv_accuracy']:.3f})")
+    if args.publish:
+        import ray
+
+        from cluster.control import publish_artifact
+        if not ray.is_initialized():
+            ray.init(address=args.address, log_to_driver=False)
+        print(f"published pask table {publish_artifact(args.out, 'pask', version=args.version)}")
     return 0

@@ -28,6 +28,16 @@ class AppArgs(BaseModel):
     max_pending: int = Field(256, ge=1, description="In-flight requests per replica before 429.")
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(1, gt=0, description="CPUs reserved per replica.")
+    kv_policy_args: dict = Field(default_factory=dict, description="Keyword arguments of the KV policy.")
+    budget_controller: bool = Field(False, description="Report memory to the cluster budget controller and "
+                                    "follow its KV budgets and the table registry (cluster/control.py).")
+    memory_reader: str = Field("auto", description="auto (NVML, CPU fallback), nvml, cpu or scripted:[...].")
+    control_period_s: float = Field(1.0, gt=0)
+    high_water: float = Field(0.85, gt=0, le=1, description="Memory fraction above which budgets fall.")
+    low_water: float = Field(0.65, gt=0, lt=1, description="Memory fraction under which budgets recover.")
+    table_store: str | None = Field(None, description="Table store directory (default ~/.cache/structkv/table-store).")
+    autoscaling_config: dict | None = Field(None, description="Ray Serve autoscaling_config (replaces "
+                                            "num_replicas); the policy defaults to autoscale.policy:kv_pressure_policy.")
 
 
 def resolve_model(model: str | None) -> Path:
@@ -51,8 +61,31 @@ class OpenAIDeployment:
         a = AppArgs(**args)
         engine = AsyncLLMEngine.from_config(EngineConfig(
             model=a.model, kv_policy=a.kv_policy, kv_budget=a.kv_budget, kv_cache_bytes=a.kv_cache_bytes,
-            max_num_seqs=a.max_num_seqs, tensor_parallel_size=a.tensor_parallel_size))
+            max_num_seqs=a.max_num_seqs, tensor_parallel_size=a.tensor_parallel_size,
+            kv_policy_args=a.kv_policy_args))
+        self.engine = engine
         self.server = OpenAIServer(engine, a.served_model_name or Path(a.model).name, a.max_pending)
+        self.agent = None
+        if a.budget_controller:
+            from cluster.agent import ReplicaAgent
+            from cluster.control import get_controller, get_registry
+            from cluster.memory import make_reader
+            replica_id = serve.get_replica_context().replica_id.unique_id
+            controller = get_controller({"high_water": a.high_water, "low_water": a.low_water})
+            kind = a.kv_policy if a.kv_policy in ("pask",) else None
+            self.agent = ReplicaAgent(replica_id, engine, make_reader(a.memory_reader), controller,
+                                      get_registry(a.table_store) if kind else None, kind,
+                                      a.control_period_s).start()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Per-replica metrics for ``autoscale.policy.kv_pressure_policy``."""
+        s = self.engine.call(lambda e: e.stats())
+        return {"kv_pressure": s["kv_bytes_used"] / s["kv_bytes_max"], "queue_len": float(s["num_waiting"]),
+                "budget": s["budget"], "budget_at_floor": float(s["floor"] > 0 and s["budget"] <= s["floor"] + 1e-9)}
+
+    def __del__(self):
+        if getattr(self, "agent", None) is not None:
+            self.agent.stop()
 
     def __serve_build_asgi_app__(self):
         from cluster.openai_api import build_app as build_fastapi
@@ -67,9 +100,15 @@ def build_app(args: dict):
         CheckpointNotFoundError: the model folder does not hold a checkpoint.
     """
     a = AppArgs(**(args or {}))
+    if a.low_water >= a.high_water:
+        raise ValueError(f"low_water ({a.low_water}) must be below high_water ({a.high_water})")
     from replicas.policies import POLICIES
     if a.kv_policy not in POLICIES:
         raise ValueError(f"unknown kv_policy {a.kv_policy!r}; choose from {', '.join(POLICIES)}")
     a.model = str(resolve_model(a.model))
+    if a.autoscaling_config is not None:
+        auto = {"policy": {"policy_function": "autoscale.policy:kv_pressure_policy"}, **a.autoscaling_config}
+        return OpenAIDeployment.options(autoscaling_config=auto,
+                                        ray_actor_options={"num_cpus": a.num_cpus}).bind(a.model_dump())
     return OpenAIDeployment.options(num_replicas=a.num_replicas,
                                     ray_actor_options={"num_cpus": a.num_cpus}).bind(a.model_dump())

@@ -69,6 +69,11 @@ class AsyncLLMEngine:
             if not finished:
                 self.abort(request_id)
 
+    def call(self, fn):
+        """Run ``fn(engine)`` between engine steps (under the loop's lock) and return its result."""
+        with self._lock:
+            return fn(self.engine)
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._queues.pop(request_id, None)

@@ -96,6 +96,8 @@ class LLMEngine:
         self._grammar: GrammarCompiler | None = None
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        self.replica_budget = 1.0   # set by the cluster budget controller (cluster/controller.py)
+        self.table_versions: dict[str, str] = {}
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (no-op with one rank)."""
@@ -154,21 +156,70 @@ class LLMEngine:
             self.policy.check(len(ids), budget, self.kv)
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
-        labels = None
+        labels, floor = None, 0.0
         if getattr(self.policy, "needs_tags", False):
             labels = prompt_labels(self.tokenizer, ids)
             try:
                 self.policy.check_prompt(labels, budget, self.kv)
             except ValueError as e:
                 raise InvalidRequestError(str(e)) from None
+            floor = self.policy.prompt_floor(labels, self.kv)
         matcher = self.grammar.matcher(grammar) if grammar is not None else None
-        seq = Sequence(request_id, ids, params, matcher=matcher, kv_budget=budget,
+        seq = Sequence(request_id, ids, params, matcher=matcher, kv_budget=budget, requested_budget=budget,
+                       floor_budget=floor,
                        generator=torch.Generator().manual_seed(params.seed) if params.seed is not None else None)
+        seq.kv_budget = self._effective_budget(seq)
         if getattr(self.policy, "needs_tags", False):
             seq.policy_state["tagger"] = _tagger_for(grammar)
             seq.policy_state["prompt_labels"] = labels
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
+
+    # ------------------------------------------------------------------ cluster control
+    def _effective_budget(self, seq: Sequence) -> float:
+        """The request's budget, lowered to the replica budget but never below the policy's floor
+        for the prompt (floors are not broken: the controller's memory target is met by admitting
+        fewer sequences instead)."""
+        return min(seq.requested_budget, max(self.replica_budget, seq.floor_budget))
+
+    def set_replica_budget(self, budget: float) -> None:
+        """Cap every sequence's KV budget at ``budget`` (call between steps). In-flight sequences
+        follow at their next step: PASK demotes above-floor cells, score policies release.
+
+        Raises:
+            ValueError: a budget outside (0, 1].
+        """
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(f"replica budget must be in (0, 1], got {budget}")
+        self.replica_budget = budget
+        for seq in self._seqs.values():
+            seq.kv_budget = self._effective_budget(seq)
+
+    @property
+    def floor_budget(self) -> float:
+        """The lowest budget worth asking of this replica: the policy's calibrated floor cost
+        (0 for policies without floors)."""
+        return float(getattr(self.policy, "floor_cost", 0.0))
+
+    def load_table(self, kind: str, folder: str | Path, version: str) -> None:
+        """Validate the table artifact at ``folder`` against the served model and swap it into the
+        policy (call between steps). Sequences in flight finish on the table they started with.
+
+        Raises:
+            calibration.artifacts.ArtifactError: missing, corrupted, wrong model or wrong shapes.
+            ValueError: the policy has no table of this kind.
+        """
+        if not hasattr(self.policy, "swap_table") or getattr(self.policy, "name", "") != kind:
+            raise ValueError(f"the replica's KV policy {self.policy.name!r} has no {kind!r} table")
+        self.policy.swap_table(folder, resolve_checkpoint(self.config.model))
+        self.table_versions[kind] = version
+
+    def stats(self) -> dict:
+        """What the budget controller reads: KV bytes held and allowed, queue and batch sizes,
+        the replica budget and its floor."""
+        return {"kv_bytes_used": self.kv.bytes_used, "kv_bytes_max": self.kv.cfg.max_bytes,
+                "num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
+                "budget": self.replica_budget, "floor": self.floor_budget}
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its KV cache; None if it is not in flight."""
@@ -197,9 +248,10 @@ class LLMEngine:
     def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         rows = []
         for seq in seqs:
-            logits, queries = self.runner.prefill(seq, self.policy.observation_window)
+            logits, queries, ppl = self.runner.prefill(seq, self.policy.observation_window,
+                                                       getattr(self.policy, "wants_window_ppl", False))
             rows.append(logits)
-            view = PrefillView(seq, self.kv, seq.num_tokens, queries, seq.kv_budget)
+            view = PrefillView(seq, self.kv, seq.num_tokens, queries, seq.kv_budget, ppl)
             self._apply(seq, self.policy.on_prefill(view))
         return torch.stack(rows)
 

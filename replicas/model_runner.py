@@ -16,11 +16,13 @@ class ModelRunner:
         self.model, self.kv, self.device = model, kv, device
 
     @torch.inference_mode()
-    def prefill(self, seq: Sequence, observation_window: int = 0) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def prefill(self, seq: Sequence, observation_window: int = 0,
+                window_ppl: bool = False) -> tuple[torch.Tensor, dict[int, torch.Tensor], float | None]:
         """Prefill all of ``seq``'s tokens (an empty cache), store their KV at HIGH precision.
 
-        Returns the next-token logits ``[vocab]`` float32 and, per layer, the queries of the last
-        ``observation_window`` tokens ``[w, Hq, D]``.
+        Returns the next-token logits ``[vocab]`` float32; per layer, the queries of the last
+        ``observation_window`` tokens ``[w, Hq, D]``; and, when ``window_ppl``, the perplexity of
+        those window tokens under the model (exp of their mean NLL), else None.
         """
         ids = torch.tensor(seq.all_token_ids, dtype=torch.long, device=self.device)
         n = ids.shape[0]
@@ -36,7 +38,12 @@ class ModelRunner:
             return out.transpose(0, 1)
 
         hidden = self.model(ids, positions, attention)
-        return self.model.logits(hidden[-1:])[0], queries
+        ppl = None
+        if window_ppl and observation_window and n > 1:
+            w = min(observation_window, n - 1)
+            logits = self.model.logits(hidden[-w - 1:-1])
+            ppl = float(torch.exp(F.cross_entropy(logits, ids[-w:])))
+        return self.model.logits(hidden[-1:])[0], queries, ppl
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence], record_queries: bool = False):

@@ -39,12 +39,15 @@ class PrefillView:
         queries: layer -> ``[w, Hq, D]`` queries of the last ``w = observation_window`` prefilled
             tokens (after RoPE), when the policy asked for them.
         budget: the total KV budget of this sequence (fraction of full KV).
+        window_ppl: perplexity of the observation-window tokens, when the policy sets
+            ``wants_window_ppl`` (else None).
     """
     seq: Sequence
     kv: KVCache
     num_prefilled: int
     queries: dict[int, torch.Tensor]
     budget: float
+    window_ppl: float | None = None
 
 
 @dataclass

@@ -52,7 +52,9 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     matcher: Any = None                       # xgrammar.GrammarMatcher or None
-    kv_budget: float = 1.0                    # total KV budget (fraction of full KV)
+    kv_budget: float = 1.0                    # effective total KV budget (fraction of full KV)
+    requested_budget: float = 1.0             # what the request asked for (kv_budget <= it)
+    floor_budget: float = 0.0                 # the policy's floor for this prompt (kv_budget >= it)
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None

@@ -104,9 +104,9 @@ class MirroredRunner:
     def __init__(self, local, broadcaster: Broadcaster):
         self._local, self._bcast = local, broadcaster
 
-    def prefill(self, seq, observation_window: int = 0):
+    def prefill(self, seq, observation_window: int = 0, window_ppl: bool = False):
         self._bcast.send("prefill", seq.request_id, seq.all_token_ids, observation_window)
-        return self._local.prefill(seq, observation_window)
+        return self._local.prefill(seq, observation_window, window_ppl)
 
     def decode(self, seqs, record_queries: bool = False):
         self._bcast.send("decode", [(s.request_id, s.all_token_ids[-1], s.num_tokens) for s in seqs], record_queries)

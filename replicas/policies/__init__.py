@@ -1,5 +1,6 @@
 """Baseline KV compression policies, one file each (kvpress style)."""
 
+from replicas.policies.compilerkv import CompilerKVPolicy, CompilerKVTables
 from replicas.policies.h2o import H2OPolicy
 from replicas.policies.pask import PASKPolicy, PASKTable
 from replicas.policies.pyramidkv import PyramidKVPolicy
@@ -14,7 +15,8 @@ BASELINES = {p.name: p for p in (StreamingLLMPolicy, H2OPolicy, SnapKVPolicy, Py
                                  RandomPolicy, RecencyPolicy)}
 # PASK reads its calibrated table (policy argument ``table``: a folder; default: the one shipped
 # for the served model).
-POLICIES: dict[str, type[KVPolicy]] = {"full": FullKV, **BASELINES, "pask": PASKPolicy}
+POLICIES: dict[str, type[KVPolicy]] = {"full": FullKV, **BASELINES, "pask": PASKPolicy,
+                                       "compilerkv": CompilerKVPolicy}
 
 
 def make_policy(name: str, **kwargs) -> KVPolicy:
@@ -30,5 +32,5 @@ def make_policy(name: str, **kwargs) -> KVPolicy:
     except TypeError as e:
         raise ValueError(f"bad settings for KV policy {name!r}: {e}") from None
 
-__all__ = ["BASELINES", "POLICIES", "make_policy", "H2OPolicy", "PASKPolicy", "PASKTable", "PyramidKVPolicy", "RandomPolicy", "RecencyPolicy",
+__all__ = ["CompilerKVPolicy", "CompilerKVTables", "BASELINES", "POLICIES", "make_policy", "H2OPolicy", "PASKPolicy", "PASKTable", "PyramidKVPolicy", "RandomPolicy", "RecencyPolicy",
            "SnapKVPolicy", "StreamingLLMPolicy"]

@@ -189,6 +189,32 @@ class PASKPolicy(KVPolicy):
     def check(self, num_prompt_tokens: int, budget: float, kv: KVCache) -> None:
         self._check_layers(kv)
 
+    @property
+    def floor_cost(self) -> float:
+        """Expected KV fraction with both sides at their floors (calibration data's mix)."""
+        if not isinstance(self.table, PASKTable):
+            return 0.0
+        return max(float(self.table.decode.upgrade_costs[0]), float(self.table.prompt.upgrade_costs[0]))
+
+    def prompt_floor(self, labels: list[int], kv: KVCache) -> float:
+        """KV fraction of this prompt with every cell at its floor."""
+        self._check_layers(kv)
+        counts = torch.bincount(torch.tensor(labels, dtype=torch.long), minlength=NUM_PROMPT_BUCKETS)
+        return expected_fraction(counts, self.table.prompt.actions_at(0), self._group_sizes, self._costs)
+
+    def swap_table(self, folder, model_dir) -> None:
+        """Replace the table by the artifact at ``folder`` (validated first; on any error the
+        current table stays). Sequences already running keep the table they started with.
+
+        Raises:
+            calibration.artifacts.ArtifactError: a bad artifact; ValueError: another layer count.
+        """
+        new = PASKTable.load(folder, model_dir)
+        if isinstance(self.table, PASKTable) and new.num_layers != self.table.num_layers:
+            raise ValueError(f"table covers {new.num_layers} layers, the model has {self.table.num_layers}")
+        self.table = new
+        self._group_sizes = torch.tensor([b - a for a, b in new.layer_groups])
+
     def check_prompt(self, labels: list[int], budget: float, kv: KVCache) -> None:
         """Refuse a prompt whose floors alone exceed ``budget``.
 
@@ -210,31 +236,33 @@ class PASKPolicy(KVPolicy):
         tags = state.setdefault("tags", {})
         prompt_len = len(seq.prompt_token_ids)
         counts = torch.bincount(torch.tensor(labels, dtype=torch.long), minlength=NUM_PROMPT_BUCKETS)
-        prompt = self.table.prompt
+        table = state["pask_table"] = self.table   # a later table swap does not touch this sequence
+        prompt = table.prompt
         k = 0
         for cand in range(prompt.num_upgrades, -1, -1):
             if expected_fraction(counts, prompt.actions_at(cand), self._group_sizes, self._costs) <= view.budget:
                 k = cand
                 break
-        state["pask_k"] = [k, self.table.decode.state_for(view.budget)]
+        state["pask_k"] = [k, table.decode.state_for(view.budget)]
         state["pask_budget"] = view.budget
-        actions = self._actions(prompt.actions_at(k), {p: labels[p] for p in range(prompt_len)})
+        actions = self._actions(table, prompt.actions_at(k), {p: labels[p] for p in range(prompt_len)})
         # After a preemption the recomputed outputs are prefilled too: they keep their decode actions.
         outputs = {p: tags[p] for p in range(prompt_len, view.num_prefilled) if p in tags}
-        actions += self._actions(self.table.decode.actions_at(state["pask_k"][1]), outputs)
+        actions += self._actions(table, table.decode.actions_at(state["pask_k"][1]), outputs)
         return actions
 
     def on_decode(self, view: DecodeView) -> list[KVAction]:
         state = view.seq.policy_state
         if "pask_k" not in state:
             return []
+        table = state["pask_table"]
         if view.budget > state["pask_budget"]:  # the budget rose: later tokens get a larger state
-            state["pask_k"][1] = max(state["pask_k"][1], self.table.decode.state_for(view.budget))
+            state["pask_k"][1] = max(state["pask_k"][1], table.decode.state_for(view.budget))
         state["pask_budget"] = view.budget
         bucket = state.get("tags", {}).get(view.position)
         if bucket is None:
             return []
-        return self._actions(self.table.decode.actions_at(state["pask_k"][1]), {view.position: bucket})
+        return self._actions(table, table.decode.actions_at(state["pask_k"][1]), {view.position: bucket})
 
     def hold_budget(self, seq, kv: KVCache, budget: float) -> None:
         """Demote above-floor cells, last upgrade first (decode side, then prompt side), until the
@@ -245,20 +273,21 @@ class PASKPolicy(KVPolicy):
             return
         allowed = budget * kv.full_kv_bytes(seq.num_tokens)
         prompt_len = len(seq.prompt_token_ids)
+        table = state["pask_table"]
         while kv.sequence_bytes(seq.request_id) > allowed + 1e-6:
             kp, kd = state["pask_k"]
             if kd > 0:
-                side, k, positions = self.table.decode, kd - 1, {p: b for p, b in state["tags"].items() if p >= prompt_len}
+                side, k, positions = table.decode, kd - 1, {p: b for p, b in state["tags"].items() if p >= prompt_len}
                 state["pask_k"][1] = k
             elif kp > 0:
-                side, k = self.table.prompt, kp - 1
+                side, k = table.prompt, kp - 1
                 positions = dict(enumerate(state.get("prompt_labels") or []))
                 state["pask_k"][0] = k
             else:
                 break
             bucket, group = side.upgrades[k].tolist()
             level = Precision(int(side.actions_at(k)[bucket, group]))
-            start, end = self.table.layer_groups[group]
+            start, end = table.layer_groups[group]
             cell = tuple(p for p, b in positions.items() if b == bucket)
             for layer in range(start, end):
                 kept = kv.kept(seq.request_id, layer)
@@ -266,16 +295,17 @@ class PASKPolicy(KVPolicy):
                 if demote:
                     kv.set_precision(seq.request_id, layer, demote, level)
 
-    def _actions(self, table: torch.Tensor, buckets: dict[int, int]) -> list[KVAction]:
+    @staticmethod
+    def _actions(table: PASKTable, actions: torch.Tensor, buckets: dict[int, int]) -> list[KVAction]:
         """Per layer, the positions whose action is below HIGH, grouped by precision."""
         out = []
         by_cell: dict[tuple[int, int], list[int]] = {}
         for pos, bucket in buckets.items():
-            for group in range(len(self.table.layer_groups)):
-                level = int(table[bucket, group])
+            for group in range(len(table.layer_groups)):
+                level = int(actions[bucket, group])
                 if level != int(Precision.HIGH):
                     by_cell.setdefault((group, level), []).append(pos)
         for (group, level), positions in sorted(by_cell.items()):
-            start, end = self.table.layer_groups[group]
+            start, end = table.layer_groups[group]
             out.extend(KVAction(layer, tuple(positions), Precision(level)) for layer in range(start, end))
         return out

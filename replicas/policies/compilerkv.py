@@ -1,0 +1,203 @@
+"""CompilerKV: risk-adaptive, head-aware prefill compression from compiled tables.
+
+Source: CompilerKV (design section 5). After prefill, each layer scores the prompt tokens:
+
+1. *Stabilized token utility* (5.1): per query head, the attention the last ``window`` prompt
+   tokens pay to each token, summed over the window, average-pooled over ``kernel`` neighbours,
+   times the token's value norm relative to the mean value norm of that head; normalized per head.
+2. *Head heterogeneity* (5.2): head utilities combined with weights ``W_head[budget, layer, head]``.
+3. *Risk gate* (5.3): from the window's mean normalized attention entropy (``E`` bins on [0, 1])
+   and the local perplexity of the window tokens (``P`` bins), a threshold
+   ``T = T_gate[budget, layer, e, p]``: the layer keeps the fewest top-scoring tokens whose score
+   mass reaches ``T``, clamped to the top-``B`` (5.4). The observation window is always kept.
+
+Prefill only: generated tokens are kept at HIGH (``kv_budget`` 1.0) or left to PASK in the combined
+policy. The tables come from ``python -m calibration compilerkv``; without them (``tables=None``)
+the policy runs with W = 1 and T = 1 (a plain pooled, value-weighted SnapKV-style top-B).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from replicas.kv_cache import KVCache, Precision
+from replicas.policy import KVAction, KVPolicy, PrefillView
+
+
+def token_utility(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  k_pos: torch.Tensor, kernel: int = 5) -> tuple[torch.Tensor, float]:
+    """Stabilized per-head utility of every kept token, and the window's attention entropy.
+
+    Args:
+        q: ``[w, Hq, D]`` window queries (after RoPE) at positions ``q_pos [w]``.
+        k, v: ``[n, Hkv, D]`` keys (after RoPE) and values at positions ``k_pos [n]``.
+        kernel: odd average-pooling width over neighbouring tokens (1 = none).
+    Returns:
+        ``(utility [Hq, n] float32, each row summing to 1; entropy in [0, 1])``, the entropy the
+        mean over heads and queries of the attention entropy divided by log(visible keys).
+    Raises:
+        ValueError: mismatched shapes or an even ``kernel``.
+    """
+    if kernel < 1 or kernel % 2 == 0:
+        raise ValueError(f"kernel must be a positive odd width, got {kernel}")
+    if q.dim() != 3 or k.shape != v.shape or q.shape[-1] != k.shape[-1] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"bad shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
+    hq, groups = q.shape[1], q.shape[1] // k.shape[1]
+    keys = k.float().repeat_interleave(groups, dim=1).transpose(0, 1)          # [Hq, n, D]
+    scores = q.float().transpose(0, 1) @ keys.transpose(1, 2) / math.sqrt(q.shape[-1])  # [Hq, w, n]
+    visible = k_pos[None, :] <= q_pos[:, None]                                  # [w, n]
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    probs = scores.softmax(-1)
+    ent = -(probs * probs.clamp_min(1e-12).log()).sum(-1)                       # [Hq, w]
+    ent = ent / visible.sum(-1).clamp_min(2).log()[None, :]
+    attn = probs.sum(1)                                                         # [Hq, n]
+    if kernel > 1:
+        attn = F.avg_pool1d(attn[:, None, :], kernel, stride=1, padding=kernel // 2,
+                            count_include_pad=False)[:, 0, :]
+    vnorm = v.float().norm(dim=-1).transpose(0, 1).repeat_interleave(groups, dim=0)  # [Hq, n]
+    util = attn * (vnorm / vnorm.mean(-1, keepdim=True).clamp_min(1e-12))
+    util = util / util.sum(-1, keepdim=True).clamp_min(1e-12)
+    return util, float(ent.mean())
+
+
+def gated_keep_count(scores: torch.Tensor, threshold: float, max_tokens: int) -> int:
+    """Fewest top tokens whose share of ``scores [n]`` (non-negative) reaches ``threshold``,
+    clamped to ``[1, max_tokens]``."""
+    total = float(scores.sum())
+    if total <= 0:
+        return max(1, min(max_tokens, scores.numel()))
+    mass = torch.sort(scores, descending=True).values.cumsum(0) / total
+    need = int(torch.searchsorted(mass, torch.tensor([threshold - 1e-9], dtype=mass.dtype)).item()) + 1
+    return max(1, min(need, max_tokens, scores.numel()))
+
+
+@dataclass
+class CompilerKVTables:
+    """Compiled tables (a ``calibration.artifacts.TableArtifact`` of kind "compilerkv").
+
+    Attributes:
+        budgets: ``[NB]`` token budgets the tables were compiled for (rising).
+        head_weights: ``[NB, L, Hq]`` float, about 0.8 .. 1.5.
+        gate: ``[NB, L, E, P]`` float thresholds, about 0.8 .. 1.0.
+        entropy_edges: ``[E - 1]`` inner bin edges of the normalized entropy.
+        ppl_edges: ``[P - 1]`` inner bin edges of the window perplexity.
+    """
+    budgets: torch.Tensor
+    head_weights: torch.Tensor
+    gate: torch.Tensor
+    entropy_edges: torch.Tensor
+    ppl_edges: torch.Tensor
+
+    def __post_init__(self):
+        nb = len(self.budgets)
+        if self.head_weights.dim() != 3 or self.head_weights.shape[0] != nb:
+            raise ValueError(f"head_weights must be [{nb}, L, Hq], got {tuple(self.head_weights.shape)}")
+        e, p = len(self.entropy_edges) + 1, len(self.ppl_edges) + 1
+        want = (nb, self.head_weights.shape[1], e, p)
+        if tuple(self.gate.shape) != want:
+            raise ValueError(f"gate must be {list(want)} (budgets, layers, entropy bins, perplexity bins), "
+                             f"got {list(self.gate.shape)}")
+
+    def index(self, budget_tokens: int) -> int:
+        """Row of the nearest compiled budget."""
+        return int((self.budgets.float() - budget_tokens).abs().argmin())
+
+    def lookup(self, budget_tokens: int, layer: int, entropy: float, ppl: float) -> tuple[torch.Tensor, float]:
+        """(head weights ``[Hq]``, threshold) for one layer of one prompt."""
+        b = self.index(budget_tokens)
+        e = int(torch.bucketize(torch.tensor(entropy), self.entropy_edges))
+        p = int(torch.bucketize(torch.tensor(ppl), self.ppl_edges))
+        return self.head_weights[b, layer], float(self.gate[b, layer, e, p])
+
+    def to_tables(self) -> dict[str, torch.Tensor]:
+        return {"budgets": self.budgets, "head_weights": self.head_weights, "gate": self.gate,
+                "entropy_edges": self.entropy_edges, "ppl_edges": self.ppl_edges}
+
+    @classmethod
+    def from_tables(cls, t: dict[str, torch.Tensor]) -> "CompilerKVTables":
+        return cls(t["budgets"], t["head_weights"], t["gate"], t["entropy_edges"], t["ppl_edges"])
+
+
+@dataclass
+class CompilerKVPolicy(KVPolicy):
+    """Attributes:
+        prefill_tokens: prompt tokens each layer keeps at most (B); None: ``kv_budget`` x prompt.
+        window: observation window (last prompt tokens; always kept).
+        kernel: pooling width of the utility.
+        tables: :class:`CompilerKVTables`, an artifact folder, or None (W = 1, T = 1).
+        use_head_weights / use_gate: ablation switches (False = W = 1 / T = ``fixed_threshold``).
+        fixed_threshold: the threshold without the gate.
+    """
+    prefill_tokens: int | None = None
+    window: int = 32
+    kernel: int = 5
+    tables: CompilerKVTables | str | None = None
+    use_head_weights: bool = True
+    use_gate: bool = True
+    fixed_threshold: float = 1.0
+    name = "compilerkv"
+    _loaded: bool = field(default=False, repr=False)
+
+    def __post_init__(self):
+        if self.prefill_tokens is not None and self.prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens must be positive, got {self.prefill_tokens}")
+        if self.window < 1:
+            raise ValueError(f"window must be positive, got {self.window}")
+        self.observation_window = self.window
+        self.wants_window_ppl = True
+
+    def bind_model(self, model_dir) -> None:
+        """Load ``tables`` when given as a folder (validated against ``model_dir``)."""
+        if isinstance(self.tables, str):
+            from calibration.artifacts import load_artifact
+            self.tables = CompilerKVTables.from_tables(load_artifact(self.tables, "compilerkv", model_dir).tables)
+
+    def check(self, num_prompt_tokens: int, budget: float, kv: KVCache) -> None:
+        if budget < 1.0 and self.prefill_tokens is not None:
+            raise ValueError("compilerkv with prefill_tokens keeps generated tokens at HIGH: use kv_budget 1.0, "
+                             "or the combined policy for a total budget")
+
+    def keep_tokens(self, num_prompt: int, budget: float) -> int:
+        b = self.prefill_tokens if self.prefill_tokens is not None else math.floor(budget * num_prompt)
+        return max(1, min(b, num_prompt))
+
+    def layer_scores(self, view: PrefillView, layer: int, budget_tokens: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(kept positions ``[n]``, combined score ``[n]``, threshold) of one layer."""
+        positions, k, v = view.kv.gather(view.seq.request_id, layer)[:3]
+        q = view.queries[layer]
+        n = view.num_prefilled
+        q_pos = torch.arange(n - q.shape[0], n)
+        util, entropy = token_utility(q, q_pos, k, v, positions.cpu(), self.kernel)
+        weights, threshold = torch.ones(util.shape[0]), self.fixed_threshold
+        if isinstance(self.tables, CompilerKVTables):
+            w, t = self.tables.lookup(budget_tokens, layer, entropy, view.window_ppl or 1.0)
+            if self.use_head_weights:
+                weights = w.float()
+            if self.use_gate:
+                threshold = t
+        score = (weights[:, None] * util).sum(0) / weights.sum()
+        return positions.cpu(), score, threshold
+
+    def on_prefill(self, view: PrefillView) -> list[KVAction]:
+        n = view.num_prefilled
+        budget_tokens = self.keep_tokens(n, view.budget)
+        if budget_tokens >= n:
+            return []
+        actions = []
+        for layer in range(view.kv.cfg.num_layers):
+            positions, score, threshold = self.layer_scores(view, layer, budget_tokens)
+            protected = positions >= n - min(self.window, budget_tokens)
+            free = max(0, budget_tokens - int(protected.sum()))
+            candidates = score.masked_fill(protected, -1.0)
+            keep_n = min(gated_keep_count(score.masked_fill(protected, 0.0), threshold, max(free, 1)), free)
+            keep = protected.clone()
+            if keep_n:
+                keep[torch.topk(candidates, keep_n).indices] = True
+            drop = positions[~keep]
+            if drop.numel():
+                actions.append(KVAction(layer, tuple(drop.tolist()), Precision.RELEASED))
+        return actions

@@ -1,0 +1,83 @@
+"""CompilerKV online pieces: utility, gate, table lookups, top-B clamp, and the engine path."""
+
+
+import pytest
+import torch
+
+from replicas.kv_cache import Precision
+from replicas.policies import CompilerKVPolicy, CompilerKVTables
+from replicas.policies.compilerkv import gated_keep_count, token_utility
+from replicas.sampling_params import SamplingParams
+
+
+def test_utility_follows_attention_and_value_norm():
+    d = 4
+    k = torch.zeros(6, 1, d)
+    k[2, 0, 0] = 20.0                        # every query looks at token 2
+    v = torch.ones(6, 1, d)
+    q = torch.zeros(2, 2, d)
+    q[:, :, 0] = 1.0
+    util, ent = token_utility(q, torch.tensor([4, 5]), k, v, torch.arange(6), kernel=1)
+    assert util.shape == (2, 6) and torch.allclose(util.sum(-1), torch.ones(2))
+    assert util[:, 2].min() > 0.99 and 0.0 <= ent < 0.05
+    v[2] = 0.0                                # a zero value vector carries nothing
+    util, _ = token_utility(q, torch.tensor([4, 5]), k, v, torch.arange(6), kernel=1)
+    assert util[:, 2].max() < 1e-6
+    flat, ent = token_utility(torch.zeros(2, 2, d), torch.tensor([4, 5]), torch.zeros(6, 1, d),
+                              torch.ones(6, 1, d), torch.arange(6), kernel=1)
+    assert ent == pytest.approx(1.0, abs=1e-5)           # uniform attention: maximal entropy
+    assert flat[:, 5].min() < flat[:, 0].min()           # causal: token 5 seen by one query only
+
+
+def test_pooling_spreads_utility_to_neighbours():
+    k = torch.zeros(9, 1, 2)
+    k[4, 0, 0] = 20.0
+    q = torch.zeros(1, 1, 2)
+    q[0, 0, 0] = 1.0
+    util, _ = token_utility(q, torch.tensor([8]), k, torch.ones(9, 1, 2), torch.arange(9), kernel=3)
+    assert util[0, 3] > 0.2 and util[0, 5] > 0.2 and util[0, 0] < 0.01
+    with pytest.raises(ValueError, match="odd"):
+        token_utility(q, torch.tensor([8]), k, torch.ones(9, 1, 2), torch.arange(9), kernel=2)
+
+
+def test_gate_keeps_fewest_tokens_reaching_the_threshold_clamped_to_b():
+    s = torch.tensor([0.5, 0.3, 0.1, 0.05, 0.05])
+    assert gated_keep_count(s, 0.8, 5) == 2
+    assert gated_keep_count(s, 0.81, 5) == 3
+    assert gated_keep_count(s, 1.0, 3) == 3          # clamp to top-B
+    assert gated_keep_count(torch.zeros(4), 0.9, 2) == 2
+
+
+def tables(layers=6, heads=8):
+    return CompilerKVTables(torch.tensor([256, 512, 1024]), torch.ones(3, layers, heads),
+                            torch.full((3, layers, 4, 2), 1.0), torch.tensor([0.25, 0.5, 0.75]), torch.tensor([10.0]))
+
+
+def test_table_lookup_bins_and_shape_checks():
+    t = tables()
+    t.gate[1, 2, 3, 1] = 0.85
+    t.head_weights[1, 2, 5] = 1.4
+    w, thr = t.lookup(500, 2, 0.9, 30.0)
+    assert thr == pytest.approx(0.85) and w[5] == pytest.approx(1.4)
+    assert t.lookup(500, 2, 0.1, 3.0)[1] == 1.0
+    with pytest.raises(ValueError, match="gate must be"):
+        CompilerKVTables(t.budgets, t.head_weights, t.gate[:, :, :2], t.entropy_edges, t.ppl_edges)
+
+
+def test_engine_keeps_window_plus_top_b_per_layer(engine, chat_prompts):
+    prompt = chat_prompts[2]
+    n = len(prompt)
+    saved, engine.policy = engine.policy, CompilerKVPolicy(prefill_tokens=64, window=16, tables=tables())
+    try:
+        engine.add_request("ckv", prompt, SamplingParams(max_tokens=2), kv_budget=1.0)
+        seq = engine._seqs["ckv"]
+        engine.step()                     # prefill (+ first token)
+        for layer in range(6):
+            kept = engine.kv.kept("ckv", layer)
+            prompt_kept = [p for p in kept if p < n]
+            assert len(prompt_kept) <= 64 and set(range(n - 16, n)) <= set(prompt_kept)
+            assert all(kept[p] == Precision.HIGH for p in prompt_kept)
+        assert seq.metrics.budget_fallbacks == 0
+    finally:
+        engine.abort("ckv")
+        engine.policy = saved
