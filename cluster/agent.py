@@ -66,7 +66,9 @@ class ReplicaAgent:
         import ray
         stats = self.engine.call(lambda e: e.stats())
         reading = self.reader.read(stats)
-        budget = ray.get(self.controller.report.remote(self.replica_id, asdict(reading), stats["floor"]), timeout=30)
+        serving = self.engine.call(lambda e: e.table_versions.get(self.kind)) if self.kind else None
+        budget = ray.get(self.controller.report.remote(self.replica_id, asdict(reading), stats["floor"], serving),
+                         timeout=30)
         if budget != stats["budget"]:
             self.engine.call(lambda e: e.set_replica_budget(budget))
         version = None

@@ -57,13 +57,14 @@ class BudgetController:
                 self._metrics = ()
         return self._metrics
 
-    def report(self, replica_id: str, reading: dict, floor: float) -> float:
-        """Record a replica's reading, decide, and return its budget (in ``[floor, 1]``)."""
+    def report(self, replica_id: str, reading: dict, floor: float, table_version: str | None = None) -> float:
+        """Record a replica's reading (and the table version it serves), decide, and return its
+        budget (in ``[floor, 1]``)."""
         r = MemoryReading(**reading)
         entry = self.replicas.setdefault(replica_id, {"state": ReplicaBudgetState()})
         old = entry["state"]
         new = decide_budget(old, r, floor, self.settings)
-        entry.update(state=new, reading=reading, floor=floor, seen=time.time())
+        entry.update(state=new, reading=reading, floor=floor, seen=time.time(), table_version=table_version)
         if new.budget != old.budget:
             direction = "down" if new.budget < old.budget else "up"
             self.decisions.append({"t": time.time(), "replica": replica_id, "from": old.budget,
@@ -81,7 +82,8 @@ class BudgetController:
 
     def status(self) -> dict:
         return {"settings": asdict(self.settings),
-                "replicas": {k: {"budget": v["state"].budget, "floor": v.get("floor"), "reading": v.get("reading")}
+                "replicas": {k: {"budget": v["state"].budget, "floor": v.get("floor"), "reading": v.get("reading"),
+                                 "table_version": v.get("table_version"), "seen": v.get("seen")}
                              for k, v in self.replicas.items()},
                 "decisions": list(self.decisions)}
 

@@ -19,10 +19,28 @@ def serve_url(ray_cluster):
 
     from cluster.app import build_app
     serve.start(http_options={"host": "127.0.0.1", "port": 8123})
-    serve.run(build_app({"model": "models/qwen3-fc-6m", "num_cpus": 0.5, "kv_cache_bytes": 64 << 20}),
+    serve.run(build_app({"model": "models/qwen3-fc-6m", "num_cpus": 0.5, "kv_cache_bytes": 64 << 20,
+                         "budget_controller": True, "memory_reader": "cpu", "control_period_s": 0.2}),
               name="structkv", route_prefix="/")
     yield "http://127.0.0.1:8123"
     serve.shutdown()
+    from cluster.control import CONTROLLER_NAME, NAMESPACE
+    ray_cluster.kill(ray_cluster.get_actor(CONTROLLER_NAME, namespace=NAMESPACE))
+
+
+def test_replica_reports_to_the_budget_controller(serve_url, ray_cluster):
+    import time
+
+    from cluster.control import CONTROLLER_NAME, NAMESPACE
+    controller = ray_cluster.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+    for _ in range(100):
+        status = ray_cluster.get(controller.status.remote())
+        if status["replicas"]:
+            break
+        time.sleep(0.2)
+    (replica,) = status["replicas"].values()
+    assert replica["budget"] == 1.0 and replica["reading"]["source"] == "cpu"
+    assert replica["reading"]["total_bytes"] == 64 << 20
 
 
 def test_chat_tool_call_over_http(serve_url):
