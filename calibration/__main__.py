@@ -1,6 +1,7 @@
 """``python -m calibration <command>``: build, publish and roll back frozen table artifacts.
 
     python -m calibration pask --model PATH --out DIR [--publish]     # calibrate (Ray tasks)
+    python -m calibration compilerkv --model PATH --out DIR           # compile CompilerKV tables
     python -m calibration publish --kind pask --artifact DIR [--version V] [--store DIR]
     python -m calibration versions --kind pask
     python -m calibration rollback --kind pask --version V
@@ -53,7 +54,7 @@ def _registry_command(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    builders = {"pask": "calibration.pask"}
+    builders = {"pask": "calibration.pask", "compilerkv": "calibration.compilerkv"}
     if argv and argv[0] in builders:
         import importlib
         return importlib.import_module(builders[argv[0]]).main(argv[1:])

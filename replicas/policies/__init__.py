@@ -1,5 +1,6 @@
 """Baseline KV compression policies, one file each (kvpress style)."""
 
+from replicas.policies.combined import CompilerKVPASKPolicy
 from replicas.policies.compilerkv import CompilerKVPolicy, CompilerKVTables
 from replicas.policies.h2o import H2OPolicy
 from replicas.policies.pask import PASKPolicy, PASKTable
@@ -16,7 +17,7 @@ BASELINES = {p.name: p for p in (StreamingLLMPolicy, H2OPolicy, SnapKVPolicy, Py
 # PASK reads its calibrated table (policy argument ``table``: a folder; default: the one shipped
 # for the served model).
 POLICIES: dict[str, type[KVPolicy]] = {"full": FullKV, **BASELINES, "pask": PASKPolicy,
-                                       "compilerkv": CompilerKVPolicy}
+                                       "compilerkv": CompilerKVPolicy, "compilerkv+pask": CompilerKVPASKPolicy}
 
 
 def make_policy(name: str, **kwargs) -> KVPolicy:
@@ -32,5 +33,5 @@ def make_policy(name: str, **kwargs) -> KVPolicy:
     except TypeError as e:
         raise ValueError(f"bad settings for KV policy {name!r}: {e}") from None
 
-__all__ = ["CompilerKVPolicy", "CompilerKVTables", "BASELINES", "POLICIES", "make_policy", "H2OPolicy", "PASKPolicy", "PASKTable", "PyramidKVPolicy", "RandomPolicy", "RecencyPolicy",
+__all__ = ["CompilerKVPASKPolicy", "CompilerKVPolicy", "CompilerKVTables", "BASELINES", "POLICIES", "make_policy", "H2OPolicy", "PASKPolicy", "PASKTable", "PyramidKVPolicy", "RandomPolicy", "RecencyPolicy",
            "SnapKVPolicy", "StreamingLLMPolicy"]

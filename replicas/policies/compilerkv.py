@@ -125,7 +125,7 @@ class CompilerKVTables:
 @dataclass
 class CompilerKVPolicy(KVPolicy):
     """Attributes:
-        prefill_tokens: prompt tokens each layer keeps at most (B); None: ``kv_budget`` x prompt.
+        prefill_tokens: prompt tokens each layer keeps at most (B); None: all.
         window: observation window (last prompt tokens; always kept).
         kernel: pooling width of the utility.
         tables: :class:`CompilerKVTables`, an artifact folder, or None (W = 1, T = 1).
@@ -157,12 +157,12 @@ class CompilerKVPolicy(KVPolicy):
             self.tables = CompilerKVTables.from_tables(load_artifact(self.tables, "compilerkv", model_dir).tables)
 
     def check(self, num_prompt_tokens: int, budget: float, kv: KVCache) -> None:
-        if budget < 1.0 and self.prefill_tokens is not None:
-            raise ValueError("compilerkv with prefill_tokens keeps generated tokens at HIGH: use kv_budget 1.0, "
-                             "or the combined policy for a total budget")
+        if budget < 1.0:
+            raise ValueError("compilerkv compresses the prompt only (prefill_tokens) and keeps generated tokens: "
+                             "use kv_budget 1.0, or the compilerkv+pask policy for a total budget")
 
-    def keep_tokens(self, num_prompt: int, budget: float) -> int:
-        b = self.prefill_tokens if self.prefill_tokens is not None else math.floor(budget * num_prompt)
+    def keep_tokens(self, num_prompt: int) -> int:
+        b = self.prefill_tokens if self.prefill_tokens is not None else num_prompt
         return max(1, min(b, num_prompt))
 
     def layer_scores(self, view: PrefillView, layer: int, budget_tokens: int) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -183,14 +183,20 @@ class CompilerKVPolicy(KVPolicy):
         return positions.cpu(), score, threshold
 
     def on_prefill(self, view: PrefillView) -> list[KVAction]:
+        return self.prefill_actions(view, self.keep_tokens(view.num_prefilled))
+
+    def prefill_actions(self, view: PrefillView, budget_tokens: int) -> list[KVAction]:
+        """Release, per layer, every prompt token outside the window and the gated top tokens,
+        keeping at most ``budget_tokens`` per layer."""
         n = view.num_prefilled
-        budget_tokens = self.keep_tokens(n, view.budget)
         if budget_tokens >= n:
             return []
         actions = []
         for layer in range(view.kv.cfg.num_layers):
             positions, score, threshold = self.layer_scores(view, layer, budget_tokens)
             protected = positions >= n - min(self.window, budget_tokens)
+            view.seq.policy_state.setdefault("ckv_scores", {})[layer] = dict(
+                zip(positions.tolist(), score.masked_fill(protected, float("inf")).tolist()))
             free = max(0, budget_tokens - int(protected.sum()))
             candidates = score.masked_fill(protected, -1.0)
             keep_n = min(gated_keep_count(score.masked_fill(protected, 0.0), threshold, max(free, 1)), free)

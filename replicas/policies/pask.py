@@ -155,8 +155,11 @@ class PASKPolicy(KVPolicy):
     """Attributes:
         table: a :class:`PASKTable`, or the path of a calibrated artifact folder (None: the table
             shipped with the embedded model).
+        prompt_side: apply the prompt-side companion (False when another policy, CompilerKV,
+            compresses the prompt).
     """
     table: PASKTable | str | None = None
+    prompt_side: bool = True
     name = "pask"
     needs_tags = True
     _costs: torch.Tensor | None = field(default=None, repr=False)
@@ -194,11 +197,14 @@ class PASKPolicy(KVPolicy):
         """Expected KV fraction with both sides at their floors (calibration data's mix)."""
         if not isinstance(self.table, PASKTable):
             return 0.0
-        return max(float(self.table.decode.upgrade_costs[0]), float(self.table.prompt.upgrade_costs[0]))
+        decode = float(self.table.decode.upgrade_costs[0])
+        return max(decode, float(self.table.prompt.upgrade_costs[0])) if self.prompt_side else decode
 
     def prompt_floor(self, labels: list[int], kv: KVCache) -> float:
-        """KV fraction of this prompt with every cell at its floor."""
+        """KV fraction of this prompt with every cell at its floor (0 without the prompt side)."""
         self._check_layers(kv)
+        if not self.prompt_side:
+            return 0.0
         counts = torch.bincount(torch.tensor(labels, dtype=torch.long), minlength=NUM_PROMPT_BUCKETS)
         return expected_fraction(counts, self.table.prompt.actions_at(0), self._group_sizes, self._costs)
 
@@ -222,6 +228,8 @@ class PASKPolicy(KVPolicy):
             ValueError: the message gives the floors' KV fraction for this prompt.
         """
         self._check_layers(kv)
+        if not self.prompt_side:
+            return
         counts = torch.bincount(torch.tensor(labels, dtype=torch.long), minlength=NUM_PROMPT_BUCKETS)
         floor = expected_fraction(counts, self.table.prompt.actions_at(0), self._group_sizes, self._costs)
         if floor > budget:
@@ -243,9 +251,11 @@ class PASKPolicy(KVPolicy):
             if expected_fraction(counts, prompt.actions_at(cand), self._group_sizes, self._costs) <= view.budget:
                 k = cand
                 break
-        state["pask_k"] = [k, table.decode.state_for(view.budget)]
+        state["pask_k"] = [k if self.prompt_side else 0, table.decode.state_for(view.budget)]
         state["pask_budget"] = view.budget
-        actions = self._actions(table, prompt.actions_at(k), {p: labels[p] for p in range(prompt_len)})
+        actions = []
+        if self.prompt_side:
+            actions = self._actions(table, prompt.actions_at(k), {p: labels[p] for p in range(prompt_len)})
         # After a preemption the recomputed outputs are prefilled too: they keep their decode actions.
         outputs = {p: tags[p] for p in range(prompt_len, view.num_prefilled) if p in tags}
         actions += self._actions(table, table.decode.actions_at(state["pask_k"][1]), outputs)

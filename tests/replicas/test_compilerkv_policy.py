@@ -81,3 +81,34 @@ def test_engine_keeps_window_plus_top_b_per_layer(engine, chat_prompts):
     finally:
         engine.abort("ckv")
         engine.policy = saved
+
+
+def test_combined_policy_holds_a_total_budget(engine, chat_prompts, tmp_path):
+    import sys
+    sys.path.insert(0, "tests/replicas")
+    from test_pask_policy import graded_table
+
+    from calibration.artifacts import TableArtifact, model_fingerprint
+    from models import EMBEDDED_MODEL_DIR
+    from replicas.grammar import GrammarSpec
+    from replicas.policies import CompilerKVPASKPolicy
+    TableArtifact("pask", graded_table().to_tables(), model_fingerprint(EMBEDDED_MODEL_DIR)).save(tmp_path / "p")
+    policy = CompilerKVPASKPolicy(pask_table=str(tmp_path / "p"), window=16)
+    policy.bind_model(EMBEDDED_MODEL_DIR)
+    saved, engine.policy = engine.policy, policy
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}]
+    try:
+        engine.add_request("comb", chat_prompts[2], SamplingParams(max_tokens=24),
+                           GrammarSpec("tools", {"tools": tools, "tool_choice": "required"}), kv_budget=0.33)
+        seq = engine._seqs["comb"]
+        while not seq.is_finished:
+            engine.step()
+            if not seq.is_finished:
+                assert engine.kv.sequence_bytes("comb") <= 0.33 * engine.kv.full_kv_bytes(seq.num_tokens) + 1e-6
+        assert seq.metrics.budget_fallbacks == 0 and seq.metrics.kv_ratio_max <= 0.33
+    finally:
+        engine.abort("comb")
+        engine.policy = saved
+    with pytest.raises(ValueError, match="compilerkv\\+pask"):
+        CompilerKVPolicy(prefill_tokens=64).check(100, 0.5, engine.kv)

@@ -1,0 +1,97 @@
+"""CompilerKV for the prompt, PASK for generated tokens, under one total budget (design 5 + 4).
+
+The serving default. After prefill, CompilerKV keeps each layer's ``floor(budget x prompt)``
+best prompt tokens (page-aligned, so the prompt alone meets the budget); PASK's decode table then
+stores each generated token per layer group, and its budget state demotes decode cells when the
+sequence would exceed the budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from replicas.kv_cache import KVCache
+from replicas.policies.base import total_pages
+from replicas.policies.compilerkv import CompilerKVPolicy
+from replicas.policies.pask import PASKPolicy
+from replicas.policy import DecodeView, KVAction, KVPolicy, PrefillView
+
+
+@dataclass
+class CompilerKVPASKPolicy(KVPolicy):
+    """Attributes:
+        pask_table: PASK table folder (None: the one shipped for the model).
+        compilerkv_tables: CompilerKV table folder (None: the one shipped for the model, when there
+            is one; else W = 1, T = 1).
+        window: CompilerKV's observation window.
+    """
+    pask_table: str | None = None
+    compilerkv_tables: str | None = None
+    window: int = 32
+    name = "compilerkv+pask"
+    needs_tags = True
+    wants_window_ppl = True
+
+    def __post_init__(self):
+        self.prompt = CompilerKVPolicy(window=self.window, tables=self.compilerkv_tables)
+        self.decode = PASKPolicy(self.pask_table, prompt_side=False)
+        self.observation_window = self.window
+
+    def bind_model(self, model_dir) -> None:
+        from calibration import shipped_table
+        self.decode.bind_model(model_dir)
+        if self.prompt.tables is None and (shipped_table("compilerkv", model_dir) / "manifest.json").is_file():
+            self.prompt.tables = str(shipped_table("compilerkv", model_dir))
+        self.prompt.bind_model(model_dir)
+
+    @property
+    def floor_cost(self) -> float:
+        return self.decode.floor_cost
+
+    def swap_table(self, folder, model_dir) -> None:
+        self.decode.swap_table(folder, model_dir)
+
+    def check(self, num_prompt_tokens: int, budget: float, kv: KVCache) -> None:
+        self.decode.check(num_prompt_tokens, budget, kv)
+        cfg = kv.cfg
+        if total_pages(budget, cfg.num_layers, num_prompt_tokens, cfg.block_size) < cfg.num_layers:
+            raise ValueError(f"a budget of {budget} leaves less than one page per layer for a "
+                             f"{num_prompt_tokens}-token prompt")
+
+    def check_prompt(self, labels, budget, kv) -> None:
+        pass
+
+    def prompt_floor(self, labels, kv) -> float:
+        return 0.0
+
+    def on_prefill(self, view: PrefillView) -> list[KVAction]:
+        cfg = view.kv.cfg
+        pages = total_pages(view.budget, cfg.num_layers, view.num_prefilled, cfg.block_size) // cfg.num_layers
+        actions = self.prompt.prefill_actions(view, max(1, pages * cfg.block_size))
+        return actions + self.decode.on_prefill(view)
+
+    def on_decode(self, view: DecodeView) -> list[KVAction]:
+        return self.decode.on_decode(view)
+
+    def hold_budget(self, seq, kv: KVCache, budget: float) -> None:
+        """PASK demotes decode cells above their floors first; if the sequence is still over
+        budget (page rounding as generated tokens open new pages), the prompt gives back its
+        lowest-scoring CompilerKV tokens (outside the window), one page at a time from the layer
+        holding the most."""
+        self.decode.hold_budget(seq, kv, budget)
+        if budget >= 1.0:
+            return
+        from replicas.kv_cache import Precision
+        allowed = budget * kv.full_kv_bytes(seq.num_tokens)
+        scores = seq.policy_state.get("ckv_scores", {})
+        while kv.sequence_bytes(seq.request_id) > allowed + 1e-6:
+            best = None
+            for layer, sc in scores.items():
+                kept = [p for p in kv.kept(seq.request_id, layer) if sc.get(p, float("inf")) != float("inf")]
+                if kept and (best is None or len(kept) > len(best[1])):
+                    best = (layer, kept)
+            if best is None:
+                return
+            layer, kept = best
+            drop = sorted(kept, key=lambda p: scores[layer][p])[: kv.cfg.block_size]
+            kv.set_precision(seq.request_id, layer, drop, Precision.RELEASED)
