@@ -161,3 +161,14 @@ def test_budget_below_floors_refused_and_lower_budget_demotes(engine, chat_promp
     hi = _run(engine, PASKPolicy(table), chat_prompts[1], 0.9, "pask-hi", max_tokens=8)
     lo = _run(engine, PASKPolicy(table), chat_prompts[1], 0.3, "pask-lo", max_tokens=8)
     assert lo.policy_state["pask_k"][0] < hi.policy_state["pask_k"][0]
+
+
+def test_shipped_table_is_the_default_and_holds_a_budget(chat_prompts):
+    from replicas.config import EngineConfig
+    from replicas.engine import LLMEngine
+    eng = LLMEngine(EngineConfig(kv_policy="pask", kv_budget=0.33, kv_cache_bytes=64 << 20))
+    assert eng.policy.table.layer_groups == [(0, 2), (2, 4), (4, 6)] and 0 < eng.floor_budget < 0.33
+    outs = eng.generate(chat_prompts[:3], SamplingParams(max_tokens=24),
+                        [GrammarSpec("tools", {"tools": TOOLS, "tool_choice": "auto"})] * 3)
+    for o in outs:
+        assert o.metrics.kv_ratio_max <= 0.33 and o.metrics.budget_fallbacks == 0
