@@ -81,8 +81,7 @@ class Load:
 def deploy(args: dict, name: str = "structkv") -> None:
     cfg = {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": PORT},
            "applications": [{"name": name, "route_prefix": "/", "import_path": "cluster.app:build_app",
-                             "runtime_env": {"working_dir": str(REPO), "excludes": [".venv", ".git", "docs"]},
-                             "args": args}]}
+                             "args": args}]}   # the project is installed (pip install -e .) on this node
     f = Path(tempfile.mkdtemp()) / "drill.yaml"
     f.write_text(json.dumps(cfg))
     sh(["serve", "deploy", str(f)])
@@ -125,6 +124,11 @@ def num_replicas() -> int:
         return -1
 
 
+def bfcl_dir() -> Path:
+    from models import bfcl
+    return bfcl.bfcl_dir().resolve()
+
+
 def phase_tables(log) -> None:
     import ray
 
@@ -138,7 +142,8 @@ def phase_tables(log) -> None:
     load = Load(clients=3).start()
     t0 = time.time()
     out = sh(["ray", "job", "submit", "--address", "http://127.0.0.1:8265", "--working-dir", str(REPO),
-              "--runtime-env-json", json.dumps({"excludes": [".venv", ".git", "docs"]}), "--",
+              "--runtime-env-json", json.dumps({"excludes": [".venv", ".git", "docs"],
+                                                "env_vars": {"BFCL_DIR": str(bfcl_dir())}}), "--",
               "python", "-m", "calibration", "pask", "--model", "models/qwen3-fc-6m", "--out", "/tmp/drill-pask",
               "--executor", "ray", "--workers", "1", "--per-category", "1", "--categories", "simple,irrelevance",
               "--max-new-tokens", "24", "--distortion-examples", "1", "--no-progress", "--publish",
@@ -198,6 +203,8 @@ def main(argv=None) -> int:
         lines.append(line)
 
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    # A throwaway loopback cluster: without this, CLI calls after `ray start` need its auth token.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     sh(["ray", "start", "--head", "--num-cpus", "4", "--disable-usage-stats", "--include-dashboard", "true"])
     try:
         import ray
@@ -210,6 +217,8 @@ def main(argv=None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text("# Cluster-control drill (`python -m bench.cluster_drill`)\n\n```\n" + "\n".join(lines) + "\n```\n")
         sh(["serve", "shutdown", "-y"], check=False)
+        import ray
+        ray.shutdown()   # before `ray stop`: a driver connected to a stopped cluster is killed outright
         sh(["ray", "stop", "--force"], check=False)
     return 0
 
