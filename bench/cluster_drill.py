@@ -114,7 +114,7 @@ def controller_status() -> dict:
 
 
 def num_replicas() -> int:
-    out = sh(["serve", "status"], check=False)
+    out = subprocess.run(["serve", "status"], capture_output=True, text=True, timeout=60).stdout  # YAML on stdout
     import yaml
     try:
         st = yaml.safe_load(out)
@@ -148,11 +148,12 @@ def phase_tables(log) -> None:
               "--executor", "ray", "--workers", "1", "--per-category", "1", "--categories", "simple,irrelevance",
               "--max-new-tokens", "24", "--distortion-examples", "1", "--no-progress", "--publish",
               "--version", "drill-1"], timeout=1800)
-    log(f"calibration job finished in {time.time() - t0:.0f} s: " + out.strip().splitlines()[-1])
+    said = [l for l in out.splitlines() if l.startswith(("wrote ", "published "))]
+    log(f"calibration job (ray job submit) finished in {time.time() - t0:.0f} s under traffic: {said}")
     t1 = time.time()
     wait(lambda: all(r["table_version"] == "drill-1" for r in controller_status()["replicas"].values()),
          60, "both replicas to switch to drill-1", 0.5)
-    log(f"both replicas serve table drill-1 {time.time() - t1:.1f} s after publication")
+    log(f"both replicas serve table drill-1 (checked {time.time() - t1:.1f} s after the job ended)")
     bad = Path(tempfile.mkdtemp()) / "other-model"
     art = load_artifact("/tmp/drill-pask", "pask")
     TableArtifact("pask", art.tables, "0" * 64, art.meta).save(bad)
@@ -161,7 +162,7 @@ def phase_tables(log) -> None:
     versions = {k: r["table_version"] for k, r in controller_status()["replicas"].items()}
     refusals = ray.get(get_registry().get_refusals.remote())
     log(f"after publishing a table for another model: replicas serve {versions}; refusals: "
-        f"{[(r['replica'][:8], r['version'], r['error'][:60]) for r in refusals]}")
+        f"{[(r['replica'][:8], r['version'], r['error'].split(': ', 2)[-1][:90]) for r in refusals]}")
     time.sleep(5)
     load.stop()
     log(f"requests during the drill: {load.codes} (status -> count); transport errors: {load.errors[:3]}")
@@ -172,12 +173,12 @@ def phase_tables(log) -> None:
 def phase_autoscale(log) -> None:
     deploy({"model": "models/qwen3-fc-6m", "kv_policy": "pask", "kv_budget": 1.0, "num_cpus": 0.5,
             "budget_controller": True, "memory_reader": "cpu", "control_period_s": 0.5,
-            "kv_cache_bytes": 3 << 20, "max_num_seqs": 32,
+            "high_water": 0.6, "low_water": 0.3, "kv_cache_bytes": 2 << 20, "max_num_seqs": 32,
             "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
                                    "metrics_interval_s": 0.5, "look_back_period_s": 2,
                                    "upscale_delay_s": 1, "downscale_delay_s": 3}})
     log(f"autoscaling deployment up with {num_replicas()} replica(s)")
-    load = Load(clients=12, max_tokens=64).start()
+    load = Load(clients=12, max_tokens=128).start()
     t0 = time.time()
     try:
         wait(lambda: num_replicas() >= 2, 300, "scale-out to 2 replicas", 2)

@@ -72,7 +72,8 @@ class OpenAIDeployment:
             from cluster.memory import make_reader
             replica_id = serve.get_replica_context().replica_id.unique_id
             controller = get_controller({"high_water": a.high_water, "low_water": a.low_water})
-            kind = a.kv_policy if a.kv_policy in ("pask",) else None
+            kinds = engine.call(lambda e: getattr(e.policy, "table_kinds", ()))
+            kind = kinds[0] if kinds else None
             self.agent = ReplicaAgent(replica_id, engine, make_reader(a.memory_reader), controller,
                                       get_registry(a.table_store) if kind else None, kind,
                                       a.control_period_s).start()

@@ -209,7 +209,7 @@ class LLMEngine:
             calibration.artifacts.ArtifactError: missing, corrupted, wrong model or wrong shapes.
             ValueError: the policy has no table of this kind.
         """
-        if not hasattr(self.policy, "swap_table") or getattr(self.policy, "name", "") != kind:
+        if kind not in getattr(self.policy, "table_kinds", ()):
             raise ValueError(f"the replica's KV policy {self.policy.name!r} has no {kind!r} table")
         self.policy.swap_table(folder, resolve_checkpoint(self.config.model))
         self.table_versions[kind] = version

@@ -29,6 +29,7 @@ class CompilerKVPASKPolicy(KVPolicy):
     compilerkv_tables: str | None = None
     window: int = 32
     name = "compilerkv+pask"
+    table_kinds = ("pask",)
     needs_tags = True
     wants_window_ppl = True
 

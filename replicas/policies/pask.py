@@ -161,6 +161,7 @@ class PASKPolicy(KVPolicy):
     table: PASKTable | str | None = None
     prompt_side: bool = True
     name = "pask"
+    table_kinds = ("pask",)   # tables the cluster registry may swap in (LLMEngine.load_table)
     needs_tags = True
     _costs: torch.Tensor | None = field(default=None, repr=False)
 

@@ -70,6 +70,8 @@ def test_autoscaling_decision_over_scripted_metrics():
     assert trace == [2, 2, 2, 2, 1, 1]               # out under pressure (bounded by max), in after 3 calm
     busy_but_roomy = {"kv_pressure": {"a": 0.2}, "budget_at_floor": {"a": 0.0}, "queue_len": {"a": 9}, "budget": {"a": 1.0}}
     assert decide_replicas(busy_but_roomy, 1, 1, 4, {})[0] == 1   # queue alone is not KV pressure
+    squeezed = dict(busy_but_roomy, budget={"a": 0.4}, kv_pressure={"a": 0.5})
+    assert decide_replicas(squeezed, 1, 1, 4, {})[0] == 2          # the controller is trading quality for memory
 
 
 def _table_artifact(folder, seed, corrupt=False, fingerprint=None):
