@@ -82,7 +82,7 @@ class RayExecutor:
             if address or os.environ.get("RAY_ADDRESS"):   # a cluster (e.g. under `ray job submit`)
                 ray.init(address=address, log_to_driver=False)
             else:
-                ray.init(num_cpus=max(1, int(num_workers * num_cpus)), include_dashboard=False, log_to_driver=False)
+                ray.init(address="local", num_cpus=max(1, int(num_workers * num_cpus)), include_dashboard=False, log_to_driver=False)
         actor = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(worker_cls)
         self._ray = ray
         self._actors = [actor.remote(*args) for _ in range(num_workers)]

@@ -19,7 +19,7 @@ from models import resolve_checkpoint
 from replicas.config import EngineConfig
 from replicas.errors import InvalidRequestError
 from replicas.grammar import GrammarCompiler, GrammarSpec
-from replicas.kv_cache import KVCache, KVCacheConfig, Precision
+from replicas.kv_cache import KVCache, KVCacheConfig, KVCacheOutOfMemory, Precision
 from replicas.model_runner import ModelRunner
 from replicas.models import load_model
 from replicas.policies import make_policy
@@ -263,10 +263,15 @@ class LLMEngine:
         return logits
 
     def _apply(self, seq: Sequence, actions: list[KVAction]) -> None:
-        for a in actions:
-            self.kv.set_precision(seq.request_id, a.layer, a.positions, a.precision)
-        self.policy.hold_budget(seq, self.kv, seq.kv_budget)
-        self._hold_to_budget(seq)
+        try:
+            for a in actions:
+                self.kv.set_precision(seq.request_id, a.layer, a.positions, a.precision)
+            self.policy.hold_budget(seq, self.kv, seq.kv_budget)
+            self._hold_to_budget(seq)
+        except KVCacheOutOfMemory:
+            # A demotion needed a LOW page the pool cannot give: recompute this sequence later,
+            # as when a decode step runs out of pages (its sampled token is kept).
+            self.scheduler.preempt(seq)
 
     def _hold_to_budget(self, seq: Sequence) -> None:
         """The engine's guarantee: bytes held <= budget x full-KV bytes after every step. A policy
@@ -294,10 +299,11 @@ class LLMEngine:
     def _postprocess(self, seq: Sequence, token: int) -> RequestOutput:
         m, now = seq.metrics, time.monotonic()
         m.first_token_s = m.first_token_s or now
-        held = self.kv.sequence_bytes(seq.request_id)
-        m.kv_bytes_peak = max(m.kv_bytes_peak, held)
-        ratio = held / self.kv.full_kv_bytes(seq.num_tokens)
-        m.kv_ratio_sum, m.kv_ratio_max, m.num_steps = m.kv_ratio_sum + ratio, max(m.kv_ratio_max, ratio), m.num_steps + 1
+        if seq.request_id in self.kv.seqs:   # (a sequence preempted in this step holds nothing)
+            held = self.kv.sequence_bytes(seq.request_id)
+            m.kv_bytes_peak = max(m.kv_bytes_peak, held)
+            ratio = held / self.kv.full_kv_bytes(seq.num_tokens)
+            m.kv_ratio_sum, m.kv_ratio_max, m.num_steps = m.kv_ratio_sum + ratio, max(m.kv_ratio_max, ratio), m.num_steps + 1
         seq.output_token_ids.append(token)
         tagger = seq.policy_state.get("tagger")
         if tagger is not None:  # PASK: the token's structural bucket, used when its KV is stored

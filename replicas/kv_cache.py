@@ -314,6 +314,12 @@ class KVCache:
                 moved.setdefault(loc[0], []).append(int(pos))
         if not by_source:
             return 0
+        bs = self.cfg.block_size
+        flat = [p for ps in moved.values() for p in ps]
+        if precision != Precision.RELEASED and len(flat) > bs:
+            # One page at a time: each chunk needs at most one new LOW page and frees a page of its
+            # source pool, so a demotion never needs much more memory than it started with.
+            return sum(self.set_precision(seq_id, layer, flat[i:i + bs], precision) for i in range(0, len(flat), bs))
         before = self.bytes_used
         if precision != Precision.RELEASED:
             target = kv.entries[layer][precision]

@@ -63,11 +63,25 @@ class Scheduler:
         self.kv.free_sequence(seq.request_id)
 
     def _decode_bytes(self, seq: Sequence) -> int:
-        """Bytes the next decode token of ``seq`` needs (a new HIGH page in full layers)."""
+        """Bytes the next decode token of ``seq`` may need: a new HIGH page in layers whose HIGH
+        pages are full, and a new LOW page where the policy demotes it into a full LOW pool."""
         kv, bs = self.kv, self.kv.cfg.block_size
-        full = sum(1 for layer in range(kv.cfg.num_layers)
-                   if kv.num_kept(seq.request_id, layer, Precision.HIGH) % bs == 0)
-        return full * kv.page_cost(Precision.HIGH)
+        need = 0
+        for layer in range(kv.cfg.num_layers):
+            if kv.num_kept(seq.request_id, layer, Precision.HIGH) % bs == 0:
+                need += kv.page_cost(Precision.HIGH)
+            if any(kv.num_kept(seq.request_id, layer, p) % bs == 0 for p in (Precision.INT8, Precision.INT4)):
+                need += kv.page_cost(Precision.INT8)
+        return need
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s KV cache and put it first in the waiting queue (recompute later)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        self.kv.free_sequence(seq.request_id)
+        seq.status = SequenceStatus.WAITING
+        seq.metrics.num_preemptions += 1
+        self.waiting.appendleft(seq)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

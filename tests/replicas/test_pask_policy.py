@@ -172,3 +172,27 @@ def test_shipped_table_is_the_default_and_holds_a_budget(chat_prompts):
                         [GrammarSpec("tools", {"tools": TOOLS, "tool_choice": "auto"})] * 3)
     for o in outs:
         assert o.metrics.kv_ratio_max <= 0.33 and o.metrics.budget_fallbacks == 0
+
+
+def test_budget_changes_under_a_full_pool_never_fail_a_step():
+    """Demotions need LOW pages; on a full pool they are done page by page, and a sequence that
+    still cannot get one is preempted (recomputed later), never an engine error."""
+    import random
+
+    from replicas.config import EngineConfig
+    from replicas.engine import LLMEngine
+    eng = LLMEngine(EngineConfig(kv_policy="pask", kv_cache_bytes=2 << 20, max_num_seqs=32))
+    rng, n, finished = random.Random(0), 0, 0
+    for step in range(200):
+        while len(eng._seqs) < 12:
+            ids = eng.tokenizer.apply_chat_template([{"role": "user", "content": f"Weather in city {n}?"}],
+                                                    tools=TOOLS, add_generation_prompt=True,
+                                                    return_dict=True)["input_ids"]
+            eng.add_request(f"r{n}", ids, SamplingParams(max_tokens=64),
+                            GrammarSpec("tools", {"tools": TOOLS, "tool_choice": "auto"}))
+            n += 1
+        if step % 3 == 0:
+            eng.set_replica_budget(rng.choice([1.0, 0.5, 0.25, 0.15]))
+        finished += sum(o.finished for o in eng.step())
+        assert eng.kv.bytes_used <= eng.kv.cfg.max_bytes
+    assert finished > 5
