@@ -57,6 +57,10 @@ class BudgetController:
                 self._metrics = ()
         return self._metrics
 
+    def configure(self, settings: dict) -> None:
+        """Replace the decision settings (a redeployed application with other water marks)."""
+        self.settings = BudgetSettings(**settings)
+
     def report(self, replica_id: str, reading: dict, floor: float, table_version: str | None = None) -> float:
         """Record a replica's reading (and the table version it serves), decide, and return its
         budget (in ``[floor, 1]``)."""
@@ -165,8 +169,12 @@ def _named(cls, name: str, *args):
 
 
 def get_controller(settings: dict | None = None):
-    """The cluster's budget controller actor (created on first use)."""
-    return _named(BudgetController, CONTROLLER_NAME, settings)
+    """The cluster's budget controller actor (created on first use; ``settings`` also replace
+    those of a running one)."""
+    handle = _named(BudgetController, CONTROLLER_NAME, settings)
+    if settings:
+        handle.configure.remote(settings)
+    return handle
 
 
 def get_registry(store: str | None = None):
