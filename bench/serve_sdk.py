@@ -1,0 +1,142 @@
+"""The serving stack as a client sees it, through the unchanged ``openai`` SDK.
+
+    serve run serve_config.yaml &          # then:
+    python -m bench.serve_sdk bfcl  [--base-url http://127.0.0.1:8000/v1] [--categories simple_python multiple]
+    python -m bench.serve_sdk load  [--requests 200] [--concurrency 16] [--budgets 1.0 0.33]
+
+``bfcl``: every question of the BFCL categories (real function definitions and questions from
+``../shared/data/bfcl``) sent with ``tools=...``; counts responses that are well-formed tool calls
+whose arguments validate against the tool's JSON Schema, and BFCL accuracy (AST checker).
+``load``: a bounded load test on loopback: ``--requests`` chat completions with tools at
+``--concurrency``, once per KV budget (1.0 = nothing compressed), reporting status codes, p50 / p99
+latency and throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+
+
+async def _one(client, model, messages, tools, max_tokens, kv_budget=None):
+    extra = {"kv_budget": kv_budget} if kv_budget is not None else None
+    t = time.perf_counter()
+    try:
+        r = await client.chat.completions.create(model=model, messages=messages, tools=tools, max_tokens=max_tokens,
+                                                 temperature=0, extra_body=extra)
+        return 200, time.perf_counter() - t, r
+    except Exception as e:  # openai.APIStatusError carries the HTTP status
+        return getattr(e, "status_code", -1), time.perf_counter() - t, e
+
+
+async def _gather(base_url, jobs, concurrency):
+    """Run ``job(client)`` coroutines at ``concurrency`` with one client on this event loop (an
+    AsyncOpenAI client's connections belong to the loop that opened them)."""
+    from openai import AsyncOpenAI
+    sem = asyncio.Semaphore(concurrency)
+    async with AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600) as client:
+        async def run(job):
+            async with sem:
+                return await job(client)
+        return await asyncio.gather(*(run(j) for j in jobs))
+
+
+def bfcl_run(base_url: str, model: str, categories: list[str], concurrency: int, limit: int | None) -> dict:
+    import jsonschema
+
+    from models import bfcl
+    from models.checker import check
+    report = {}
+    for cat in categories:
+        qs = [q for q in bfcl.load_questions(cat) if q.ground_truth is not None][:limit]
+        tools = [[bfcl.to_openai_tool(f, q.language) for f in q.functions] for q in qs]
+        jobs = [lambda c, q=q, t=t: _one(c, model, q.messages, t, 128) for q, t in zip(qs, tools)]
+        t0 = time.perf_counter()
+        results = asyncio.run(_gather(base_url, jobs, concurrency))
+        wall = time.perf_counter() - t0
+        codes, wellformed, valid, correct = {}, 0, 0, 0
+        for q, t, (code, _, r) in zip(qs, tools, results):
+            codes[code] = codes.get(code, 0) + 1
+            if code != 200:
+                continue
+            calls = r.choices[0].message.tool_calls or []
+            schemas = {x["function"]["name"]: x["function"]["parameters"] for x in t}
+            parsed = []
+            try:
+                for c in calls:
+                    parsed.append({"name": c.function.name, "arguments": json.loads(c.function.arguments)})
+            except json.JSONDecodeError:
+                continue
+            if calls:
+                wellformed += 1
+                if all(p["name"] in schemas and _valid(jsonschema, p["arguments"], schemas[p["name"]]) for p in parsed):
+                    valid += 1
+            correct += check(q.functions, parsed, q.ground_truth, cat).valid
+        report[cat] = {"requests": len(qs), "status": codes, "tool_calls": wellformed, "schema_valid": valid,
+                       "bfcl_accuracy": correct / len(qs), "wall_s": round(wall, 1)}
+        print(f"{cat}: {json.dumps(report[cat])}", flush=True)
+    return report
+
+
+def _valid(jsonschema, args, schema) -> bool:
+    try:
+        jsonschema.validate(args, schema)
+        return True
+    except jsonschema.ValidationError:
+        return False
+
+
+def load_run(base_url: str, model: str, requests: int, concurrency: int, budgets: list[float]) -> list[dict]:
+    from models import synth
+    gen = synth.Generator("test", seed=11)
+    examples = [ex for cat in ("simple", "multiple", "parallel") for ex in gen.examples(cat, requests // 3 + 1)][:requests]
+    rows = []
+    for budget in budgets:
+        jobs = [lambda c, ex=ex: _one(c, model, ex.messages, ex.tools, 64, budget) for ex in examples]
+        t0 = time.perf_counter()
+        results = asyncio.run(_gather(base_url, jobs, concurrency))
+        wall = time.perf_counter() - t0
+        codes = {}
+        for code, _, _ in results:
+            codes[code] = codes.get(code, 0) + 1
+        lat = sorted(dt for code, dt, _ in results if code == 200)
+        tokens = sum(r.usage.completion_tokens for code, _, r in results if code == 200)
+        ratio = [r.usage.model_extra.get("kv_budget_ratio_max") for code, _, r in results if code == 200]
+        row = {"kv_budget": budget, "requests": requests, "concurrency": concurrency, "status": codes,
+               "p50_s": round(statistics.median(lat), 3) if lat else None,
+               "p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else None,
+               "requests_per_s": round(len(lat) / wall, 2), "output_tokens_per_s": round(tokens / wall, 1),
+               "kv_ratio_max": max(ratio) if ratio else None, "wall_s": round(wall, 1)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.serve_sdk", description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=("bfcl", "load"))
+    ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    ap.add_argument("--model", default="qwen3-fc-6m")
+    ap.add_argument("--categories", nargs="+", default=["simple_python", "multiple"])
+    ap.add_argument("--limit", type=int)
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--budgets", nargs="+", type=float, default=[1.0, 0.33])
+    ap.add_argument("--json", help="write the report here")
+    args = ap.parse_args(argv)
+    if args.what == "bfcl":
+        out = bfcl_run(args.base_url, args.model, args.categories, args.concurrency, args.limit)
+    else:
+        out = load_run(args.base_url, args.model, args.requests, args.concurrency, args.budgets)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
