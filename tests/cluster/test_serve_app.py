@@ -63,3 +63,36 @@ def test_bad_app_args_are_refused():
         build_app({"kv_budget": 2})
     with pytest.raises(ValueError, match="unknown kv_policy"):
         build_app({"kv_policy": "nope"})
+
+
+def test_bfcl_questions_through_the_openai_sdk(serve_url):
+    """A short version of `python -m bench.serve_sdk bfcl`: real BFCL questions and functions."""
+    openai = pytest.importorskip("openai")
+    from models import bfcl
+    client = openai.OpenAI(base_url=f"{serve_url}/v1", api_key="none", max_retries=0, timeout=120)
+    for q in [q for q in bfcl.load_questions("simple_python") if q.ground_truth][:3]:
+        tools = [bfcl.to_openai_tool(f, q.language) for f in q.functions]
+        r = client.chat.completions.create(model="qwen3-fc-6m", messages=q.messages, tools=tools,
+                                           tool_choice="required", max_tokens=96, temperature=0)
+        (call,) = r.choices[0].message.tool_calls[:1]
+        jsonschema.validate(json.loads(call.function.arguments), tools[0]["function"]["parameters"])
+
+
+def test_metrics_read_back_from_the_export_endpoint(serve_url, ray_cluster):
+    import time
+    import urllib.request
+    port = ray_cluster.nodes()[0].get("MetricsExportPort")
+    if not port:
+        pytest.skip("this Ray node exports no metrics")
+    seen = set()
+    for _ in range(60):
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        except OSError:
+            text = ""
+        seen = {name for name in ("ray_structkv_replica_kv_budget", "ray_structkv_replica_memory_fraction",
+                                  "ray_structkv_controller_budget") if name in text}
+        if len(seen) == 3:
+            break
+        time.sleep(1)
+    assert len(seen) == 3, f"found only {seen} on the metrics endpoint"
