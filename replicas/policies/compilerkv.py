@@ -126,6 +126,7 @@ class CompilerKVTables:
 class CompilerKVPolicy(KVPolicy):
     """Attributes:
         prefill_tokens: prompt tokens each layer keeps at most (B); None: all.
+        prefill_fraction: B as a fraction of the prompt instead (exclusive with ``prefill_tokens``).
         window: observation window (last prompt tokens; always kept).
         kernel: pooling width of the utility.
         tables: :class:`CompilerKVTables`, an artifact folder, or None (W = 1, T = 1).
@@ -133,6 +134,7 @@ class CompilerKVPolicy(KVPolicy):
         fixed_threshold: the threshold without the gate.
     """
     prefill_tokens: int | None = None
+    prefill_fraction: float | None = None
     window: int = 32
     kernel: int = 5
     tables: CompilerKVTables | str | None = None
@@ -145,6 +147,11 @@ class CompilerKVPolicy(KVPolicy):
     def __post_init__(self):
         if self.prefill_tokens is not None and self.prefill_tokens < 1:
             raise ValueError(f"prefill_tokens must be positive, got {self.prefill_tokens}")
+        if self.prefill_fraction is not None:
+            if self.prefill_tokens is not None:
+                raise ValueError("give prefill_tokens or prefill_fraction, not both")
+            if not 0.0 < self.prefill_fraction <= 1.0:
+                raise ValueError(f"prefill_fraction must be in (0, 1], got {self.prefill_fraction}")
         if self.window < 1:
             raise ValueError(f"window must be positive, got {self.window}")
         self.observation_window = self.window
@@ -163,6 +170,8 @@ class CompilerKVPolicy(KVPolicy):
 
     def keep_tokens(self, num_prompt: int) -> int:
         b = self.prefill_tokens if self.prefill_tokens is not None else num_prompt
+        if self.prefill_fraction is not None:
+            b = math.floor(self.prefill_fraction * num_prompt)
         return max(1, min(b, num_prompt))
 
     def layer_scores(self, view: PrefillView, layer: int, budget_tokens: int) -> tuple[torch.Tensor, torch.Tensor, float]:

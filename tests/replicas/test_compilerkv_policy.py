@@ -112,3 +112,12 @@ def test_combined_policy_holds_a_total_budget(engine, chat_prompts, tmp_path):
         engine.policy = saved
     with pytest.raises(ValueError, match="compilerkv\\+pask"):
         CompilerKVPolicy(prefill_tokens=64).check(100, 0.5, engine.kv)
+
+
+def test_budget_as_a_fraction_of_the_prompt():
+    p = CompilerKVPolicy(prefill_fraction=0.25)
+    assert p.keep_tokens(400) == 100 and p.keep_tokens(3) == 1
+    with pytest.raises(ValueError, match="not both"):
+        CompilerKVPolicy(prefill_tokens=64, prefill_fraction=0.5)
+    with pytest.raises(ValueError, match="prefill_fraction"):
+        CompilerKVPolicy(prefill_fraction=1.5)
