@@ -140,22 +140,16 @@ class CompilerKVWorker:
         prompt ``prompt``."""
         from calibration.replay import compressed_forward, continuation_nll
         from replicas.kv_cache import Precision
-        from replicas.policies.compilerkv import gated_keep_count
+        from replicas.policies.compilerkv import combine_heads, select_tokens
         d = self.data()[task["prompt"]]
         n, seq = d["n"], d["seq"]
         b = min(task["budget"], n)
         prec = torch.full((len(d["utils"]), seq.shape[0]), int(Precision.HIGH), dtype=torch.long)
         kept = []
         for layer, util in enumerate(d["utils"]):
-            w = torch.tensor(task["weights"][layer], dtype=torch.float32)
-            score = (w[:, None] * util).sum(0) / w.sum()
-            win = min(self.window, b)
-            protected = torch.arange(n) >= n - win
-            free = max(0, b - win)
-            keep_n = min(gated_keep_count(score.masked_fill(protected, 0.0), task["thresholds"][layer], max(free, 1)), free)
-            keep = protected.clone()
-            if keep_n:
-                keep[torch.topk(score.masked_fill(protected, -1.0), keep_n).indices] = True
+            score = combine_heads(util, torch.tensor(task["weights"][layer]))
+            protected = torch.arange(n) >= n - min(self.window, b)
+            keep = select_tokens(score, protected, task["thresholds"][layer], b)
             prec[layer, :n][~keep] = int(Precision.RELEASED)
             kept.append(int(keep.sum()) / max(b, 1))
         logits, _ = compressed_forward(self.engine.model, seq, n, prec)

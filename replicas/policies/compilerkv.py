@@ -75,6 +75,22 @@ def gated_keep_count(scores: torch.Tensor, threshold: float, max_tokens: int) ->
     return max(1, min(need, max_tokens, scores.numel()))
 
 
+def combine_heads(util: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Per-token score ``[n]``: head utilities ``[Hq, n]`` averaged with head weights ``[Hq]``."""
+    return (weights.float()[:, None] * util).sum(0) / weights.float().sum()
+
+
+def select_tokens(score: torch.Tensor, protected: torch.Tensor, threshold: float, budget_tokens: int) -> torch.Tensor:
+    """Keep mask ``[n]`` (design 5.4): the ``protected`` tokens (observation window), then the
+    fewest top-scoring others whose score mass reaches ``threshold``, at most ``budget_tokens`` in all."""
+    free = max(0, budget_tokens - int(protected.sum()))
+    keep = protected.clone()
+    keep_n = min(gated_keep_count(score.masked_fill(protected, 0.0), threshold, max(free, 1)), free)
+    if keep_n:
+        keep[torch.topk(score.masked_fill(protected, -1.0), keep_n).indices] = True
+    return keep
+
+
 @dataclass
 class CompilerKVTables:
     """Compiled tables (a ``calibration.artifacts.TableArtifact`` of kind "compilerkv").
@@ -188,8 +204,7 @@ class CompilerKVPolicy(KVPolicy):
                 weights = w.float()
             if self.use_gate:
                 threshold = t
-        score = (weights[:, None] * util).sum(0) / weights.sum()
-        return positions.cpu(), score, threshold
+        return positions.cpu(), combine_heads(util, weights), threshold
 
     def on_prefill(self, view: PrefillView) -> list[KVAction]:
         return self.prefill_actions(view, self.keep_tokens(view.num_prefilled))
@@ -206,13 +221,7 @@ class CompilerKVPolicy(KVPolicy):
             protected = positions >= n - min(self.window, budget_tokens)
             view.seq.policy_state.setdefault("ckv_scores", {})[layer] = dict(
                 zip(positions.tolist(), score.masked_fill(protected, float("inf")).tolist()))
-            free = max(0, budget_tokens - int(protected.sum()))
-            candidates = score.masked_fill(protected, -1.0)
-            keep_n = min(gated_keep_count(score.masked_fill(protected, 0.0), threshold, max(free, 1)), free)
-            keep = protected.clone()
-            if keep_n:
-                keep[torch.topk(candidates, keep_n).indices] = True
-            drop = positions[~keep]
+            drop = positions[~select_tokens(score, protected, threshold, budget_tokens)]
             if drop.numel():
                 actions.append(KVAction(layer, tuple(drop.tolist()), Precision.RELEASED))
         return actions
