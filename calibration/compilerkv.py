@@ -183,19 +183,13 @@ class Bandit:
 def compile_tables(cfg: CompilerKVCalibrationConfig, out: Path, executor, progress: bool = True, log=None):
     """Run the bandits; return the ``compilerkv`` TableArtifact (see the module docstring)."""
     from calibration.artifacts import TableArtifact, model_fingerprint
-    from calibration.executors import ProbeCache, run_probes
+    from calibration.executors import open_run, run_probes
     from models import resolve_checkpoint
     from replicas.models.llama import ModelConfig
     log = log or (lambda m: print(m, file=sys.stderr))
     model_dir = resolve_checkpoint(cfg.model)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    settings = {**asdict(cfg), "model": str(model_dir)}
-    sfile = out / "settings.json"
-    if sfile.is_file() and json.loads(sfile.read_text()) != json.loads(json.dumps(settings)):
-        raise ValueError(f"{out} holds a calibration run with other settings ({sfile}); use a new --out")
-    sfile.write_text(json.dumps(settings, indent=1) + "\n")
-    cache = ProbeCache(out / "probes.jsonl")
+    cache = open_run(out, {**asdict(cfg), "model": str(model_dir)})
     mc = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
     L, H = mc.num_layers, mc.num_heads
     t0 = time.monotonic()
@@ -278,12 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = CompilerKVCalibrationConfig(str(model_dir), tuple(sorted(args.budgets)), args.long_prompts,
                                       args.short_prompts, rounds=args.rounds, round_size=args.round_size, seed=args.seed)
     wargs = (str(model_dir), cfg.long_prompts, cfg.short_prompts, cfg.continuation_tokens, cfg.window, cfg.kernel)
-    if args.executor == "ray":
-        from calibration.executors import RayExecutor
-        executor = RayExecutor(CompilerKVWorker, wargs, num_workers=args.workers, address=args.address)
-    else:
-        from calibration.executors import LocalExecutor
-        executor = LocalExecutor(lambda: CompilerKVWorker(*wargs))
+    from calibration.executors import make_executor
+    executor = make_executor(args.executor, CompilerKVWorker, wargs, args.workers, args.address)
     try:
         artifact = compile_tables(cfg, args.out, executor, progress=not args.no_progress)
     except ValueError as e:

@@ -42,6 +42,29 @@ class ProbeCache:
                 f.write(json.dumps({"key": key, "task_kind": kind, "result": result}) + "\n")
 
 
+def open_run(out: Path, settings: dict) -> ProbeCache:
+    """The probe cache of a run folder; a folder holding a run with other settings is refused.
+
+    Raises:
+        ValueError: ``out/settings.json`` records different settings.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    file = out / "settings.json"
+    settings = json.loads(json.dumps(settings))
+    if file.is_file() and json.loads(file.read_text()) != settings:
+        raise ValueError(f"{out} holds a calibration run with other settings ({file}); "
+                         f"use a new --out folder or the same settings to resume")
+    file.write_text(json.dumps(settings, indent=1) + "\n")
+    return ProbeCache(out / "probes.jsonl")
+
+
+def make_executor(kind: str, worker_cls, args: tuple, workers: int = 2, address: str | None = None):
+    """A "ray" executor (``workers`` actors of ``worker_cls(*args)``) or a "local" one."""
+    if kind == "ray":
+        return RayExecutor(worker_cls, args, num_workers=workers, address=address)
+    return LocalExecutor(lambda: worker_cls(*args))
+
+
 class LocalExecutor:
     """Runs probes one after another in this process (tests, single-core machines)."""
 

@@ -100,7 +100,6 @@ class ProbeWorker:
         from bench.accuracy import load_items
         from replicas.config import EngineConfig
         from replicas.engine import LLMEngine
-        torch.set_num_threads(max(1, torch.get_num_threads()))
         items = load_items("dev", list(categories))
         self.items = [i for c in categories for i in [x for x in items if x.category == c][:per_category]]
         self.engine = LLMEngine(EngineConfig(model=model, max_num_seqs=max(1, len(self.items))))
@@ -144,29 +143,41 @@ class ProbeWorker:
                   "kv_ratio": sum(outs[i.id].metrics.kv_ratio_mean for i in self.items) / len(self.items)}
         if task.get("with_outputs"):
             result["outputs"] = [outs[i.id].token_ids for i in self.items]
+            dec, pro = torch.zeros(NUM_BUCKETS, dtype=torch.long), torch.zeros(NUM_PROMPT_BUCKETS, dtype=torch.long)
+            for item, out_ids in zip(self.items, result["outputs"]):
+                labels, tags = self._buckets(item, out_ids)
+                pro += torch.bincount(torch.tensor(labels), minlength=NUM_PROMPT_BUCKETS)
+                dec += torch.bincount(torch.tensor(tags, dtype=torch.long), minlength=NUM_BUCKETS)
+            result["decode_counts"], result["prompt_counts"] = dec.tolist(), pro.tolist()
         return result
+
+    def _buckets(self, item, out_ids: list[int]) -> tuple[list[int], list[int]]:
+        """Prompt labels of the item's prompt and structural buckets of its generated tokens, as
+        the engine computes them."""
+        from replicas.engine import _tagger_for
+        from replicas.grammar import GrammarSpec
+        from replicas.prompt_labels import prompt_labels
+        from replicas.tagger import bucket_of
+        tok = self.engine.tokenizer
+        tagger = _tagger_for(GrammarSpec("tools", {"tools": item.tools, "tool_choice": "auto"}))
+        return (prompt_labels(tok, self._prompt_ids(item)),
+                [bucket_of(tagger.feed(tok.decode([t]))) for t in out_ids])
 
     def _replay_data(self):
         """Full-KV generations of the first ``distortion_examples`` items, their buckets and base
         attention outputs (computed once per worker)."""
         if self._replay is None:
             from calibration.replay import compressed_forward
-            from replicas.engine import _tagger_for
-            from replicas.grammar import GrammarSpec
-            from replicas.prompt_labels import prompt_labels
-            from replicas.tagger import bucket_of
             full = [[int(Precision.HIGH)] * len(self.groups)]
             res = self.generate({"kind": "generate", "decode": full * NUM_BUCKETS, "prompt": full * NUM_PROMPT_BUCKETS,
                                  "with_outputs": True})
             data = []
             for item, out_ids in zip(self.items, res["outputs"]):
                 ids = self._prompt_ids(item)
-                tagger = _tagger_for(GrammarSpec("tools", {"tools": item.tools, "tool_choice": "auto"}))
-                dec = [bucket_of(tagger.feed(self.engine.tokenizer.decode([t]))) for t in out_ids]
+                labels, dec = self._buckets(item, out_ids)
                 seq = torch.tensor(ids + out_ids)
                 _, base = compressed_forward(self.engine.model, seq, len(ids), None, capture=True)
-                data.append((seq, len(ids), torch.tensor(prompt_labels(self.engine.tokenizer, ids)),
-                             torch.tensor(dec, dtype=torch.long), base))
+                data.append((seq, len(ids), torch.tensor(labels), torch.tensor(dec, dtype=torch.long), base))
             self._replay = data
         return self._replay
 
@@ -263,21 +274,14 @@ class Calibrator:
 
     def __init__(self, cfg: PASKCalibrationConfig, out: Path, executor, progress: bool = True,
                  log=None):
-        from calibration.executors import ProbeCache
+        from calibration.executors import open_run
         from models import resolve_checkpoint
         from replicas.kv_cache import KVCache, KVCacheConfig
         from replicas.models.llama import ModelConfig
         from replicas.policies.pask import level_costs
         self.cfg, self.out, self.ex, self.progress = cfg, Path(out), executor, progress
         self.model_dir = resolve_checkpoint(cfg.model)
-        self.out.mkdir(parents=True, exist_ok=True)
-        settings = {**asdict(cfg), "model": str(self.model_dir)}
-        settings_file = self.out / "settings.json"
-        if settings_file.is_file() and json.loads(settings_file.read_text()) != json.loads(json.dumps(settings)):
-            raise ValueError(f"{self.out} holds a calibration run with other settings ({settings_file}); "
-                             f"use a new --out folder or the same settings to resume")
-        settings_file.write_text(json.dumps(settings, indent=1) + "\n")
-        self.cache = ProbeCache(self.out / "probes.jsonl")
+        self.cache = open_run(self.out, {**asdict(cfg), "model": str(self.model_dir)})
         mc = ModelConfig.from_hf(json.loads((self.model_dir / "config.json").read_text()))
         self.groups = layer_groups(mc.num_layers, cfg.num_groups)
         self.group_sizes = torch.tensor([b - a for a, b in self.groups])
@@ -312,25 +316,7 @@ class Calibrator:
 
     def _counts(self, full: dict) -> dict[str, torch.Tensor]:
         """Per side, the entries of each bucket over the dev set (from the full-KV outputs)."""
-        from bench.accuracy import load_items
-        from replicas.engine import _tagger_for
-        from replicas.grammar import GrammarSpec
-        from replicas.prompt_labels import prompt_labels
-        from replicas.tagger import bucket_of
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(self.model_dir)
-        cats = list(self.cfg.categories)
-        items = load_items("dev", cats)
-        items = [i for c in cats for i in [x for x in items if x.category == c][: self.cfg.per_category]]
-        dec, pro = torch.zeros(NUM_BUCKETS, dtype=torch.long), torch.zeros(NUM_PROMPT_BUCKETS, dtype=torch.long)
-        for item, out_ids in zip(items, full["outputs"]):
-            ids = tok.apply_chat_template(item.messages, tools=item.tools, add_generation_prompt=True,
-                                          return_dict=True)["input_ids"]
-            pro += torch.bincount(torch.tensor(prompt_labels(tok, ids)), minlength=NUM_PROMPT_BUCKETS)
-            tagger = _tagger_for(GrammarSpec("tools", {"tools": item.tools, "tool_choice": "auto"}))
-            tags = [bucket_of(tagger.feed(tok.decode([t]))) for t in out_ids]
-            dec += torch.bincount(torch.tensor(tags, dtype=torch.long), minlength=NUM_BUCKETS)
-        return {"decode": dec, "prompt": pro}
+        return {"decode": torch.tensor(full["decode_counts"]), "prompt": torch.tensor(full["prompt_counts"])}
 
     def floors(self, side: str, observed: torch.Tensor, target: float) -> tuple[torch.Tensor, dict]:
         passed: dict[tuple[int, int, int], bool] = {}
@@ -384,7 +370,8 @@ class Calibrator:
         return {"upgrades": hi, "accuracy": evaluated.get(hi), "evaluated": {str(k): v for k, v in sorted(evaluated.items())}}
 
     # -------------------------------------------------------------- the whole run
-    def run(self) -> "calibration.artifacts.TableArtifact":  # noqa: F821
+    def run(self):
+        """Run every step; return the "pask" ``TableArtifact`` (not yet saved)."""
         from calibration.artifacts import TableArtifact, model_fingerprint
         cfg, t0 = self.cfg, time.monotonic()
         full = self._run([self._generate_task(with_outputs=True)], "full KV")[0]
@@ -483,12 +470,8 @@ def main(argv: list[str] | None = None) -> int:
                                 args.alpha_decode, args.alpha_prompt, args.distortion_examples,
                                 args.max_new_tokens, args.seed)
     worker_args = (str(model_dir), list(cats), args.per_category, args.num_groups, args.max_new_tokens)
-    if args.executor == "ray":
-        from calibration.executors import RayExecutor
-        executor = RayExecutor(ProbeWorker, worker_args, num_workers=args.workers, address=args.address)
-    else:
-        from calibration.executors import LocalExecutor
-        executor = LocalExecutor(lambda: ProbeWorker(*worker_args))
+    from calibration.executors import make_executor
+    executor = make_executor(args.executor, ProbeWorker, worker_args, args.workers, args.address)
     try:
         cal = Calibrator(cfg, args.out, executor, progress=not args.no_progress)
         artifact = cal.run()

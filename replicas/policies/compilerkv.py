@@ -46,7 +46,7 @@ def token_utility(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torc
         raise ValueError(f"kernel must be a positive odd width, got {kernel}")
     if q.dim() != 3 or k.shape != v.shape or q.shape[-1] != k.shape[-1] or q.shape[1] % k.shape[1]:
         raise ValueError(f"bad shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
-    hq, groups = q.shape[1], q.shape[1] // k.shape[1]
+    groups = q.shape[1] // k.shape[1]
     keys = k.float().repeat_interleave(groups, dim=1).transpose(0, 1)          # [Hq, n, D]
     scores = q.float().transpose(0, 1) @ keys.transpose(1, 2) / math.sqrt(q.shape[-1])  # [Hq, w, n]
     visible = k_pos[None, :] <= q_pos[:, None]                                  # [w, n]

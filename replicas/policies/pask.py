@@ -18,6 +18,7 @@ prompt cannot meet its budget at the floors is refused before it runs (:meth:`PA
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -125,13 +126,6 @@ class PASKTable:
         from calibration.artifacts import load_artifact
         return cls.from_tables(load_artifact(folder, "pask", model_dir).tables)
 
-    @classmethod
-    def uniform(cls, decode: Precision, prompt: Precision, layer_groups: list[tuple[int, int]]) -> "PASKTable":
-        """A table with every cell of each side fixed at one precision and no upgrades."""
-        g = len(layer_groups)
-        side = lambda n, p: SideTable(torch.full((n, g), int(p)), torch.empty(0, 2), torch.zeros(1))
-        return cls(side(NUM_BUCKETS, decode), side(NUM_PROMPT_BUCKETS, prompt), layer_groups)
-
 
 def level_costs(kv: KVCache) -> torch.Tensor:
     """``[4]`` bytes of one token-layer entry at each Precision, relative to HIGH (page costs)."""
@@ -234,8 +228,8 @@ class PASKPolicy(KVPolicy):
         counts = torch.bincount(torch.tensor(labels, dtype=torch.long), minlength=NUM_PROMPT_BUCKETS)
         floor = expected_fraction(counts, self.table.prompt.actions_at(0), self._group_sizes, self._costs)
         if floor > budget:
-            raise ValueError(f"the PASK floors keep {floor:.3f} of this prompt's KV, above the requested "
-                             f"budget of {budget}; raise kv_budget to at least {floor:.2f}")
+            raise ValueError(f"the PASK floors keep {floor:.4f} of this prompt's KV, above the requested "
+                             f"budget of {budget}; raise kv_budget to at least {math.ceil(floor * 1000) / 1000}")
 
     # ------------------------------------------------------------------ hooks
     def on_prefill(self, view: PrefillView) -> list[KVAction]:

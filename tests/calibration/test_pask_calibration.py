@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from calibration.pask import (LEVELS, Calibrator, PASKCalibrationConfig, ProbeWorker, build_family,
+from calibration.pask import (Calibrator, PASKCalibrationConfig, ProbeWorker, build_family,
                               family_costs, floors_from_probes, layer_groups)
 from models import EMBEDDED_MODEL_DIR
 from replicas.kv_cache import Precision

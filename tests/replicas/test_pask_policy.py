@@ -196,3 +196,20 @@ def test_budget_changes_under_a_full_pool_never_fail_a_step():
         finished += sum(o.finished for o in eng.step())
         assert eng.kv.bytes_used <= eng.kv.cfg.max_bytes
     assert finished > 5
+
+
+def test_replica_budget_is_never_applied_below_a_prompts_floors(chat_prompts):
+    from replicas.config import EngineConfig
+    from replicas.engine import LLMEngine
+    eng = LLMEngine(EngineConfig(kv_policy="pask", kv_cache_bytes=64 << 20))
+    eng.add_request("a", chat_prompts[0], SamplingParams(max_tokens=4), kv_budget=0.9)
+    seq = eng._seqs["a"]
+    assert 0 < seq.floor_budget < 0.9
+    eng.set_replica_budget(0.05)                 # below the floors: the sequence stops at them
+    assert seq.kv_budget == pytest.approx(seq.floor_budget)
+    eng.set_replica_budget(0.5)
+    assert seq.kv_budget == 0.5
+    eng.set_replica_budget(1.0)                  # never above what the request asked
+    assert seq.kv_budget == 0.9
+    with pytest.raises(ValueError, match="replica budget"):
+        eng.set_replica_budget(0.0)

@@ -1,14 +1,13 @@
 """Baseline policies on a hand-built attention pattern: each keeps what its paper says, budgets hold
 at every step, released tokens never return, positions stay true."""
 
-import math
 
 import pytest
 import torch
 
 from replicas.errors import InvalidRequestError
-from replicas.kv_cache import KVCache, KVCacheConfig, Precision
-from replicas.policies import (BASELINES, H2OPolicy, POLICIES, PyramidKVPolicy, RandomPolicy, RecencyPolicy,
+from replicas.kv_cache import KVCache, KVCacheConfig
+from replicas.policies import (BASELINES, H2OPolicy, PyramidKVPolicy, RandomPolicy, RecencyPolicy,
                                SnapKVPolicy, StreamingLLMPolicy, make_policy)
 from replicas.policy import DecodeView, PrefillView
 from replicas.sampling_params import SamplingParams
