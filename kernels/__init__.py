@@ -1,7 +1,8 @@
 """Kernels of the KV cache, each a Triton kernel beside a plain-torch reference ``<op>_ref``.
 
 The registry picks Triton for CUDA tensors (when Triton imports) and the reference elsewhere;
-``STRUCTKV_KERNELS=ref`` forces the references. Importing this package never needs CUDA.
+``STRUCTKV_KERNELS=ref`` forces the references, ``STRUCTKV_KERNELS=triton`` the Triton kernels on
+any device (on the CPU with ``TRITON_INTERPRET=1``). Importing this package never needs CUDA.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ _IMPLEMENTATIONS = {
 
 def use_triton(device: torch.device) -> bool:
     """Whether the Triton kernels run for tensors on ``device``."""
-    return (device.type == "cuda" and _da.triton is not None
-            and os.environ.get("STRUCTKV_KERNELS", "auto") != "ref")
+    choice = os.environ.get("STRUCTKV_KERNELS", "auto")
+    if _da.triton is None or choice == "ref":
+        return False
+    return choice == "triton" or device.type == "cuda"
 
 
 def get_kernel(name: str, device: torch.device):

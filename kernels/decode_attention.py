@@ -19,6 +19,7 @@ Returns ``out [B, Hq, D]`` float32 and ``lse [B, Hq]`` float32 (``-inf`` and zer
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -84,24 +85,62 @@ def paged_decode_attention_ref(q, k, v, k_scale, v_scale, block_table, lens, bit
     return out, row_lse.reshape(b, hq)
 
 
-def merge_attention_states(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
-    """Merge partial attention results over disjoint key sets: ``[B, Hq, D]`` float32."""
-    lse = torch.stack(lses)                                   # [N, B, Hq]
+def merge_attention_states(outs, lses, return_lse: bool = False):
+    """Merge partial attention results over disjoint key sets.
+
+    Args:
+        outs: N tensors ``[B, Hq, D]`` float32 (or one stacked ``[N, B, Hq, D]``).
+        lses: their log-sum-exps, N tensors ``[B, Hq]`` (or ``[N, B, Hq]``).
+    Returns ``[B, Hq, D]`` float32, and the merged ``[B, Hq]`` log-sum-exp when ``return_lse``
+    (``-inf`` where every part is empty).
+    """
+    lse = lses if torch.is_tensor(lses) else torch.stack(lses)          # [N, B, Hq]
+    out = outs if torch.is_tensor(outs) else torch.stack(outs)          # [N, B, Hq, D]
     top = lse.amax(dim=0)
-    weights = torch.exp(lse - torch.where(torch.isinf(top), 0.0, top)).nan_to_num(0.0)
-    total = weights.sum(dim=0).clamp_min(1e-30)
-    return sum(w[..., None] * o for w, o in zip(weights, outs)) / total[..., None]
+    shift = torch.where(torch.isinf(top), 0.0, top)
+    weights = torch.exp(lse - shift).nan_to_num(0.0)
+    total = weights.sum(dim=0)
+    merged = (weights[..., None] * out).sum(dim=0) / total.clamp_min(1e-30)[..., None]
+    if not return_lse:
+        return merged
+    return merged, torch.where(total > 0, shift + torch.log(total.clamp_min(1e-30)), float("-inf"))
 
 
 if triton is not None:
     @triton.jit
+    def _load_kv(k_ptr, ks_ptr, offs, soffs, kvmask, tmask, BITS: tl.constexpr):
+        """One block of keys (or values) as float32: (even / all dims, odd dims or zeros)."""
+        if BITS == 0:
+            a = tl.load(k_ptr + offs, mask=kvmask, other=0.0).to(tl.float32)
+            return a, tl.zeros_like(a)
+        scale = tl.load(ks_ptr + soffs, mask=tmask, other=0.0)
+        if BITS == 8:
+            a = tl.load(k_ptr + offs, mask=kvmask, other=0).to(tl.float32) * scale[:, None]
+            return a, tl.zeros_like(a)
+        packed = tl.load(k_ptr + offs, mask=kvmask, other=0).to(tl.int32)
+        lo, hi = packed & 15, (packed >> 4) & 15
+        a = tl.where(lo >= 8, lo - 16, lo).to(tl.float32) * scale[:, None]
+        b = tl.where(hi >= 8, hi - 16, hi).to(tl.float32) * scale[:, None]
+        return a, b
+
+    @triton.jit
+    def _dot(a, b, IEEE: tl.constexpr, DT: tl.constexpr):
+        """``a @ b`` in float32: IEEE products, or ``DT`` (the query dtype) operands."""
+        if IEEE:
+            return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a.to(DT), b.to(DT))
+
+    @triton.jit
     def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr, lse_ptr,
                        sm_scale, stride_qb, stride_qh, stride_kp, stride_kt, stride_kh,
-                       stride_sp, stride_st, stride_btb, stride_ob, stride_oh,
+                       stride_sp, stride_st, stride_btb, stride_os, stride_ob, stride_oh,
+                       stride_ls, pages_per_split,
                        G: tl.constexpr, G_PAD: tl.constexpr, DK: tl.constexpr, DK_PAD: tl.constexpr,
-                       BS: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr):
+                       BS: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr, IEEE: tl.constexpr):
+        DT: tl.constexpr = q_ptr.dtype.element_ty
         b = tl.program_id(0)
         h = tl.program_id(1)
+        split = tl.program_id(2)
         length = tl.load(lens_ptr + b)
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, DK_PAD)
@@ -121,79 +160,96 @@ if triton is not None:
         acc_a = tl.zeros([G_PAD, DK_PAD], dtype=tl.float32)
         acc_b = tl.zeros([G_PAD, DK_PAD], dtype=tl.float32)
         t = tl.arange(0, BLOCK_N)
-        num_pages = tl.cdiv(length, BS)
-        for i in range(0, num_pages):
-            page = tl.load(bt_ptr + b * stride_btb + i).to(tl.int64)
-            tmask = (t < BS) & (i * BS + t < length)
+        # This program's share of the sequence (split-KV, as in FlashDecoding), walked in blocks
+        # of BLOCK_N tokens that span BLOCK_N / BS pages.
+        first = split * pages_per_split * BS
+        last = tl.minimum(length, first + pages_per_split * BS)
+        for start in range(first, last, BLOCK_N):
+            tok = start + t
+            tmask = tok < last
+            page = tl.load(bt_ptr + b * stride_btb + tok // BS, mask=tmask, other=0).to(tl.int64)
+            slot = tok % BS
             kvmask = tmask[:, None] & dmask[None, :]
-            offs = page * stride_kp + t[:, None] * stride_kt + h * stride_kh + d[None, :]
-            if BITS == 0:
-                k_a = tl.load(k_ptr + offs, mask=kvmask, other=0.0).to(tl.float32)
-                v_a = tl.load(v_ptr + offs, mask=kvmask, other=0.0).to(tl.float32)
-                k_b = tl.zeros([BLOCK_N, DK_PAD], dtype=tl.float32)
-                v_b = tl.zeros([BLOCK_N, DK_PAD], dtype=tl.float32)
-            else:
-                soffs = page * stride_sp + t * stride_st + h
-                ks = tl.load(ks_ptr + soffs, mask=tmask, other=0.0)
-                vs = tl.load(vs_ptr + soffs, mask=tmask, other=0.0)
-                if BITS == 8:
-                    k_a = tl.load(k_ptr + offs, mask=kvmask, other=0).to(tl.float32) * ks[:, None]
-                    v_a = tl.load(v_ptr + offs, mask=kvmask, other=0).to(tl.float32) * vs[:, None]
-                    k_b = tl.zeros([BLOCK_N, DK_PAD], dtype=tl.float32)
-                    v_b = tl.zeros([BLOCK_N, DK_PAD], dtype=tl.float32)
-                else:
-                    kp = tl.load(k_ptr + offs, mask=kvmask, other=0).to(tl.int32)
-                    vp = tl.load(v_ptr + offs, mask=kvmask, other=0).to(tl.int32)
-                    k_lo, k_hi = kp & 15, (kp >> 4) & 15
-                    v_lo, v_hi = vp & 15, (vp >> 4) & 15
-                    k_a = tl.where(k_lo >= 8, k_lo - 16, k_lo).to(tl.float32) * ks[:, None]
-                    k_b = tl.where(k_hi >= 8, k_hi - 16, k_hi).to(tl.float32) * ks[:, None]
-                    v_a = tl.where(v_lo >= 8, v_lo - 16, v_lo).to(tl.float32) * vs[:, None]
-                    v_b = tl.where(v_hi >= 8, v_hi - 16, v_hi).to(tl.float32) * vs[:, None]
-            scores = tl.sum(q_a[:, None, :] * k_a[None, :, :], axis=2)
-            scores += tl.sum(q_b[:, None, :] * k_b[None, :, :], axis=2)
+            offs = page[:, None] * stride_kp + slot[:, None] * stride_kt + h * stride_kh + d[None, :]
+            soffs = page * stride_sp + slot * stride_st + h
+            k_a, k_b = _load_kv(k_ptr, ks_ptr, offs, soffs, kvmask, tmask, BITS)
+            v_a, v_b = _load_kv(v_ptr, vs_ptr, offs, soffs, kvmask, tmask, BITS)
+            scores = _dot(q_a, tl.trans(k_a), IEEE, DT)
+            if BITS == 4:
+                scores += _dot(q_b, tl.trans(k_b), IEEE, DT)
             scores = tl.where(tmask[None, :], scores * sm_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc_a = acc_a * alpha[:, None] + tl.sum(p[:, :, None] * v_a[None, :, :], axis=1)
-            acc_b = acc_b * alpha[:, None] + tl.sum(p[:, :, None] * v_b[None, :, :], axis=1)
+            acc_a = acc_a * alpha[:, None] + _dot(p, v_a, IEEE, DT)
+            if BITS == 4:
+                acc_b = acc_b * alpha[:, None] + _dot(p, v_b, IEEE, DT)
             m_i = m_new
         nonempty = l_i > 0
         denom = tl.where(nonempty, l_i, 1.0)
-        out_row = out_ptr + b * stride_ob + (h * G + g)[:, None] * stride_oh
+        out_row = out_ptr + split * stride_os + b * stride_ob + (h * G + g)[:, None] * stride_oh
         if BITS == 4:
             tl.store(out_row + 2 * d[None, :], acc_a / denom[:, None], mask=qmask)
             tl.store(out_row + 2 * d[None, :] + 1, acc_b / denom[:, None], mask=qmask)
         else:
             tl.store(out_row + d[None, :], acc_a / denom[:, None], mask=qmask)
         lse = tl.where(nonempty, m_i + tl.log(denom), float("-inf"))
-        tl.store(lse_ptr + b * (G * tl.num_programs(1)) + h * G + g, lse, mask=gmask)
+        tl.store(lse_ptr + split * stride_ls + b * (G * tl.num_programs(1)) + h * G + g, lse, mask=gmask)
+
+
+def default_num_splits(batch: int, kv_heads: int, max_pages: int, target_programs: int = 264,
+                       min_pages: int = 1024) -> int:
+    """Splits of each sequence's pages: none below ``min_pages`` pages per sequence, else enough
+    for about ``target_programs`` programs (two per SM of an H200) with >= 256 pages each.
+
+    Measured on an H200 (``bench.kernels``, docs/results/gpu_h200.md): at 512 pages (8k tokens)
+    one program per (sequence, KV head) was faster even with 64 programs, the merge's fixed cost
+    dominating; at 2,048 pages (32k tokens, batch 8) 5 splits were 2.7x faster than none.
+    """
+    if max_pages < min_pages:
+        return 1
+    return max(1, min(-(-target_programs // max(1, batch * kv_heads)), max_pages // 256))
 
 
 def paged_decode_attention_triton(q, k, v, k_scale, v_scale, block_table, lens, bits: int,
-                                  sm_scale: float | None = None):
-    """Triton version of :func:`paged_decode_attention_ref` (same contract)."""
+                                  sm_scale: float | None = None, num_splits: int | None = None):
+    """Triton version of :func:`paged_decode_attention_ref` (same contract).
+
+    Each program attends the query group of one (sequence, KV head, split) to a contiguous range
+    of the sequence's pages, 64 tokens (several pages) per block, with ``tl.dot`` on the query
+    group padded to 16 rows (tensor cores; operands in ``q``'s dtype, IEEE float32 products when
+    ``q`` is float32); with ``num_splits > 1`` (default :func:`default_num_splits` of the block table's width)
+    the partial results are merged by their log-sum-exp, the split-KV scheme of FlashDecoding
+    (Dao et al., 2023), so short batches of long sequences still fill the GPU.
+    """
     _check(q, k, v, k_scale, v_scale, block_table, lens, bits)
     b, hq, d = q.shape
     _, bs, hkv, dk = k.shape
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     q = q.contiguous()
-    out = torch.zeros(b, hq, d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
+    max_pages = block_table.shape[1]
+    splits = num_splits or default_num_splits(b, hkv, max_pages)
+    splits = max(1, min(splits, max(1, max_pages)))
+    per_split = max(1, -(-max_pages // splits))
+    out = torch.zeros(splits, b, hq, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(splits, b, hq, dtype=torch.float32, device=q.device)
     if b == 0:
-        return out, lse
+        return out[0], lse[0]
     if k.stride(3) != 1:
         raise ValueError("pool head_dim must be contiguous")
     ks = k_scale if bits else k  # unused pointers when bits == 0
     vs = v_scale if bits else v
-    _decode_kernel[(b, hkv)](
+    _decode_kernel[(b, hkv, splits)](
         q, k, v, ks, vs, block_table, lens, out, lse, sm_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         ks.stride(0) if bits else 0, ks.stride(1) if bits else 0, block_table.stride(0),
-        out.stride(0), out.stride(1),
-        G=hq // hkv, G_PAD=max(2, triton.next_power_of_2(hq // hkv)), DK=dk,
-        DK_PAD=triton.next_power_of_2(dk), BS=bs,
-        BLOCK_N=triton.next_power_of_2(bs), BITS=bits)
-    return out, lse
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), per_split,
+        G=hq // hkv, G_PAD=max(16, triton.next_power_of_2(hq // hkv)), DK=dk,
+        DK_PAD=max(16, triton.next_power_of_2(dk)), BS=bs,
+        BLOCK_N=max(64, triton.next_power_of_2(bs)), BITS=bits,
+        # The interpreter (TRITON_INTERPRET=1) computes bfloat16 dots wrongly: float32 there.
+        IEEE=q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1")
+    if splits == 1:
+        return out[0], lse[0]
+    return merge_attention_states(out, lse, return_lse=True)

@@ -136,12 +136,24 @@ class _Entries:
         return (pages[slots // block_size] * block_size + slots % block_size).to(device)
 
 
+def _loc(prec: Precision, slot: int) -> int:
+    """(precision, slot) packed in one int: ``where`` maps every kept token, and ints, unlike
+    tuples, are not tracked by Python's cycle collector (tuples made its passes dominate a long
+    prefill's bookkeeping)."""
+    return slot << 2 | prec
+
+
+def _unloc(loc: int) -> tuple[Precision, int]:
+    return Precision(loc & 3), loc >> 2
+
+
 class SequenceKV:
-    """KV entries of one sequence: per layer, per precision, plus position -> (precision, slot)."""
+    """KV entries of one sequence: per layer, per precision, plus position -> packed
+    (precision, slot) (:func:`_loc`)."""
 
     def __init__(self, num_layers: int):
         self.entries = [{p: _Entries() for p in BITS} for _ in range(num_layers)]
-        self.where: list[dict[int, tuple[Precision, int]]] = [{} for _ in range(num_layers)]
+        self.where: list[dict[int, int]] = [{} for _ in range(num_layers)]
         self.next_position = [0] * num_layers  # positions only grow: released ones never return
 
 
@@ -177,7 +189,7 @@ class KVCache:
 
     def kept(self, seq_id, layer: int) -> dict[int, Precision]:
         """Position -> precision of every entry kept for (sequence, layer)."""
-        return {pos: prec for pos, (prec, _) in self.seqs[seq_id].where[layer].items()}
+        return {pos: Precision(loc & 3) for pos, loc in self.seqs[seq_id].where[layer].items()}
 
     # ------------------------------------------------------------------ sequences
     def add_sequence(self, seq_id) -> None:
@@ -214,7 +226,7 @@ class KVCache:
         e, where = kv.entries[layer][prec], kv.where[layer]
         start = len(e.positions)
         self._reserve(e, prec, start + len(positions))
-        slots = list(range(start, start + len(positions)))
+        slots = range(start, start + len(positions))
         flat = e.flat_slots(slots, self.cfg.block_size, self.cfg.device)
         pool = self.pools[prec]
         if prec == Precision.HIGH:
@@ -225,8 +237,7 @@ class KVCache:
             kernels.quantize_store(v, pool.flat("v"), pool.flat("v_scale"), flat, pool.bits)
         pool.flat("positions")[flat] = torch.tensor(positions, dtype=torch.int32, device=self.cfg.device)
         e.positions.extend(positions)
-        for pos, slot in zip(positions, slots):
-            where[pos] = (prec, slot)
+        where.update(zip(positions, range(_loc(prec, slots.start), _loc(prec, slots.stop), 4)))  # consecutive slots
 
     def append(self, seq_id, layer: int, positions, k: torch.Tensor, v: torch.Tensor,
                precision: Precision = Precision.HIGH) -> None:
@@ -276,7 +287,7 @@ class KVCache:
                     t[dst] = t[src]
             for h, m in zip(holes, movers):
                 e.positions[h] = e.positions[m]
-                where[e.positions[h]] = (prec, h)
+                where[e.positions[h]] = _loc(prec, h)
         del e.positions[keep_n:]
         keep_pages = math.ceil(keep_n / bs)
         freed = e.pages[keep_pages:]
@@ -309,9 +320,12 @@ class KVCache:
         moved: dict[Precision, list[int]] = {}
         for pos in positions:
             loc = where.get(int(pos))
-            if loc is not None and loc[0] > precision:
-                by_source.setdefault(loc[0], []).append(loc[1])
-                moved.setdefault(loc[0], []).append(int(pos))
+            if loc is None:
+                continue
+            src, slot = _unloc(loc)
+            if src > precision:
+                by_source.setdefault(src, []).append(slot)
+                moved.setdefault(src, []).append(int(pos))
         if not by_source:
             return 0
         bs = self.cfg.block_size

@@ -38,9 +38,10 @@ def attention_probs(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, k_pos
 
     Args:
         q: ``[w, Hq, D]`` queries at positions ``q_pos [w]``; k: ``[n, Hkv, D]`` at ``k_pos [n]``.
-    Returns ``[n]`` float32: total attention each key received.
+    Returns ``[n]`` float32 on the CPU: total attention each key received.
     """
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    q_pos, k_pos = q_pos.to(q.device), k_pos.to(q.device)
     keys = k.float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)      # [Hq, n, D]
     total = torch.zeros(k.shape[0], dtype=torch.float32)
     for s in range(0, q.shape[0], chunk):

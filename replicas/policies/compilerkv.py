@@ -37,7 +37,7 @@ def token_utility(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torc
         k, v: ``[n, Hkv, D]`` keys (after RoPE) and values at positions ``k_pos [n]``.
         kernel: odd average-pooling width over neighbouring tokens (1 = none).
     Returns:
-        ``(utility [Hq, n] float32, each row summing to 1; entropy in [0, 1])``, the entropy the
+        ``(utility [Hq, n] float32 on the CPU, each row summing to 1; entropy in [0, 1])``, the entropy the
         mean over heads and queries of the attention entropy divided by log(visible keys).
     Raises:
         ValueError: mismatched shapes or an even ``kernel``.
@@ -47,6 +47,7 @@ def token_utility(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torc
     if q.dim() != 3 or k.shape != v.shape or q.shape[-1] != k.shape[-1] or q.shape[1] % k.shape[1]:
         raise ValueError(f"bad shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
     groups = q.shape[1] // k.shape[1]
+    q_pos, k_pos = q_pos.to(q.device), k_pos.to(q.device)
     keys = k.float().repeat_interleave(groups, dim=1).transpose(0, 1)          # [Hq, n, D]
     scores = q.float().transpose(0, 1) @ keys.transpose(1, 2) / math.sqrt(q.shape[-1])  # [Hq, w, n]
     visible = k_pos[None, :] <= q_pos[:, None]                                  # [w, n]
@@ -61,7 +62,7 @@ def token_utility(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torc
     vnorm = v.float().norm(dim=-1).transpose(0, 1).repeat_interleave(groups, dim=0)  # [Hq, n]
     util = attn * (vnorm / vnorm.mean(-1, keepdim=True).clamp_min(1e-12))
     util = util / util.sum(-1, keepdim=True).clamp_min(1e-12)
-    return util, float(ent.mean())
+    return util.cpu(), float(ent.mean())
 
 
 def gated_keep_count(scores: torch.Tensor, threshold: float, max_tokens: int) -> int:

@@ -98,14 +98,17 @@ def test_reference_matches_float64_dense(bits, lens, bs, hq, hkv, d):
 
 
 @interpret
+@pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("bits", [0, 8, 4])
 @pytest.mark.parametrize("lens,bs,hq,hkv,d", CASES)
-def test_triton_decode_matches_reference(bits, lens, bs, hq, hkv, d):
+def test_triton_decode_matches_reference(bits, lens, bs, hq, hkv, d, num_splits):
+    """One program per (sequence, KV head), and split-KV (pages shared by 3 programs, merged by
+    log-sum-exp; with fewer pages than splits some programs see no entries)."""
     table, pool, _ = make_pool(lens, bs, hkv, d, bits)
     q = torch.randn(len(lens), hq, d)
     lens_t = torch.tensor(lens, dtype=torch.int32)
     ref_out, ref_lse = paged_decode_attention_ref(q, *pool, table, lens_t, bits)
-    out, lse = kernels.paged_decode_attention_triton(q, *pool, table, lens_t, bits)
+    out, lse = kernels.paged_decode_attention_triton(q, *pool, table, lens_t, bits, num_splits=num_splits)
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
 
@@ -118,7 +121,8 @@ def test_merge_equals_attention_over_union():
     q = torch.randn(3, hq, d)
     oa, la = paged_decode_attention_ref(q, *pa, ta, torch.tensor(lens_a, dtype=torch.int32), 0)
     ob, lb = paged_decode_attention_ref(q, *pb, tb, torch.tensor(lens_b, dtype=torch.int32), 8)
-    merged = merge_attention_states([oa, ob], [la, lb])
+    merged, lse = merge_attention_states([oa, ob], [la, lb], return_lse=True)
+    torch.testing.assert_close(lse, torch.logaddexp(la, lb))
     for i in range(3):
         keys = torch.cat([da[0][ta[i].long()].flatten(0, 1)[:lens_a[i]], db[0][tb[i].long()].flatten(0, 1)[:lens_b[i]]])
         vals = torch.cat([da[1][ta[i].long()].flatten(0, 1)[:lens_a[i]], db[1][tb[i].long()].flatten(0, 1)[:lens_b[i]]])
