@@ -113,7 +113,7 @@ def decode_rows(cases, device, timer) -> list[dict]:
                 rows.append({"op": "decode", "batch": batch, "ctx": ctx, "bits": bits, "impl": name,
                              "ms": 1000 * t, "gb_s": nbytes / t / 1e9, "max_abs_err": err,
                              "splits": default_num_splits(batch, HKV, table.shape[1]) if name == "triton" else None})
-            del pool, dk, dv
+            pool = dk = dv = None  # free before the next case
     return rows
 
 

@@ -125,13 +125,12 @@ class CompilerKVWorker:
 
     @torch.inference_mode()
     def _prefill_states(self, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        import torch.nn.functional as F
+        from replicas.models.llama import causal_attention
         model, n, out = self.engine.model, ids.shape[0], []
 
         def attention(layer, q, k, v):
             out.append((q[-self.window:].float(), k.float(), v.float()))
-            return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                                  is_causal=True, enable_gqa=True).transpose(0, 1)
+            return causal_attention(q, k, v)
         model(ids, torch.arange(n), attention)
         return out
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from kernels.quantize import dequantize_ref, quantize_ref
 from replicas.kv_cache import Precision
 from replicas.models import CausalLM
+from replicas.models.llama import causal_attention
 
 
 def _degrade(x: torch.Tensor, precision: torch.Tensor) -> torch.Tensor:
@@ -67,8 +68,7 @@ def compressed_forward(model: CausalLM, token_ids: torch.Tensor, prompt_len: int
     m = n - prompt_len
 
     def attention(layer: int, q, k, v):
-        qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True).transpose(0, 1)
+        out = causal_attention(q, k, v)
         if m and precision is not None:
             prec = precision[layer].to(device)
             groups = q.shape[1] // k.shape[1]

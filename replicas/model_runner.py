@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from replicas.kv_cache import KVCache
 from replicas.models import CausalLM
+from replicas.models.llama import causal_attention
 from replicas.sequence import Sequence
 
 
@@ -33,9 +34,7 @@ class ModelRunner:
             self.kv.append(seq.request_id, layer, range(n), k, v)
             if observation_window:
                 queries[layer] = q[-observation_window:].clone()
-            out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                                 is_causal=True, enable_gqa=True)
-            return out.transpose(0, 1)
+            return causal_attention(q, k, v)
 
         hidden = self.model(ids, positions, attention)
         ppl = None

@@ -108,6 +108,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal self-attention of one sequence: ``q [T, Hq, D]`` over ``k, v [T, Hkv, D]`` (GQA),
+    returns ``[T, Hq, D]``.
+
+    SDPA gets 4-D inputs: with 3-D ones PyTorch 2.13 on the CPU skips its fused kernel for the
+    math one (8x slower at 2,048 tokens on this project's 2-core machine).
+    """
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                         v.transpose(0, 1)[None], is_causal=True, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_index: int):
         super().__init__()
