@@ -27,7 +27,8 @@ class AppArgs(BaseModel):
     max_num_seqs: int = Field(16, ge=1)
     max_pending: int = Field(256, ge=1, description="In-flight requests per replica before 429.")
     num_replicas: int = Field(1, ge=1)
-    num_cpus: float = Field(1, gt=0, description="CPUs reserved per replica.")
+    num_cpus: float = Field(1, gt=0, description="CPUs reserved per replica (per tensor-parallel rank).")
+    num_gpus: float = Field(0, ge=0, description="GPUs per tensor-parallel rank (0: CPU engine).")
     kv_policy_args: dict = Field(default_factory=dict, description="Keyword arguments of the KV policy.")
     budget_controller: bool = Field(False, description="Report memory to the cluster budget controller and "
                                     "follow its KV budgets and the table registry (cluster/control.py).")
@@ -36,6 +37,8 @@ class AppArgs(BaseModel):
     high_water: float = Field(0.85, gt=0, le=1, description="Memory fraction above which budgets fall.")
     low_water: float = Field(0.65, gt=0, lt=1, description="Memory fraction under which budgets recover.")
     table_store: str | None = Field(None, description="Table store directory (default ~/.cache/structkv/table-store).")
+    api_key: str | None = Field(None, description="Bearer token required on /v1 routes; default: the "
+                                "STRUCTKV_API_KEY environment variable of the replica, else no auth.")
     autoscaling_config: dict | None = Field(None, description="Ray Serve autoscaling_config (replaces "
                                             "num_replicas); the policy defaults to autoscale.policy:kv_pressure_policy.")
 
@@ -64,7 +67,9 @@ class OpenAIDeployment:
             max_num_seqs=a.max_num_seqs, tensor_parallel_size=a.tensor_parallel_size,
             kv_policy_args=a.kv_policy_args))
         self.engine = engine
-        self.server = OpenAIServer(engine, a.served_model_name or Path(a.model).name, a.max_pending)
+        import os
+        self.server = OpenAIServer(engine, a.served_model_name or Path(a.model).name, a.max_pending,
+                                   a.api_key or os.environ.get("STRUCTKV_API_KEY"))
         self.agent = None
         if a.budget_controller:
             from cluster.agent import ReplicaAgent
@@ -107,9 +112,22 @@ def build_app(args: dict):
     if a.kv_policy not in POLICIES:
         raise ValueError(f"unknown kv_policy {a.kv_policy!r}; choose from {', '.join(POLICIES)}")
     a.model = str(resolve_model(a.model))
+    options = replica_options(a)
     if a.autoscaling_config is not None:
-        auto = {"policy": {"policy_function": "autoscale.policy:kv_pressure_policy"}, **a.autoscaling_config}
-        return OpenAIDeployment.options(autoscaling_config=auto,
-                                        ray_actor_options={"num_cpus": a.num_cpus}).bind(a.model_dump())
-    return OpenAIDeployment.options(num_replicas=a.num_replicas,
-                                    ray_actor_options={"num_cpus": a.num_cpus}).bind(a.model_dump())
+        options["autoscaling_config"] = {"policy": {"policy_function": "autoscale.policy:kv_pressure_policy"},
+                                         **a.autoscaling_config}
+    else:
+        options["num_replicas"] = a.num_replicas
+    return OpenAIDeployment.options(**options).bind(a.model_dump())
+
+
+def replica_options(a: AppArgs) -> dict:
+    """Resources of one replica. With tensor parallelism, a placement group with one bundle per
+    rank on one node (STRICT_PACK): the replica runs rank 0 in bundle 0 and starts ranks 1..N-1
+    as Ray tasks in the others (``replicas.tp``), as Ray Serve LLM places vLLM's workers."""
+    rank = {"CPU": a.num_cpus, **({"GPU": a.num_gpus} if a.num_gpus else {})}
+    actor = {"num_cpus": a.num_cpus, **({"num_gpus": a.num_gpus} if a.num_gpus else {})}
+    if a.tensor_parallel_size == 1:
+        return {"ray_actor_options": actor}
+    return {"ray_actor_options": actor, "placement_group_bundles": [dict(rank) for _ in range(a.tensor_parallel_size)],
+            "placement_group_strategy": "STRICT_PACK"}

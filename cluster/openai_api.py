@@ -3,11 +3,13 @@
 ``build_app(server)`` returns the FastAPI app; the Ray Serve deployment in :mod:`cluster.app`
 mounts it with ``@serve.ingress``, and tests use it in-process. Routes: ``POST /v1/chat/completions``,
 ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``. Errors use the OpenAI envelope
-``{"error": {"message", "type", "param", "code"}}``.
+``{"error": {"message", "type", "param", "code"}}``. With an API key set, every ``/v1`` route needs
+``Authorization: Bearer <key>`` (401 otherwise), as vLLM's ``--api-key``; ``/health`` stays open.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import uuid
 from typing import Any, AsyncIterator
@@ -46,10 +48,13 @@ class OpenAIServer:
         engine: the replica's engine.
         model_name: the id clients send as ``model``.
         max_pending: requests in flight beyond which new ones get 429 with Retry-After.
+        api_key: when set, the bearer token every ``/v1`` request must carry.
     """
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, max_pending: int = 256):
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, max_pending: int = 256,
+                 api_key: str | None = None):
         self.engine, self.model_name, self.max_pending = engine, model_name, max_pending
+        self.api_key = api_key or None
         self.tokenizer = engine.engine.tokenizer
         self.pending = 0
 
@@ -208,6 +213,18 @@ def build_app(server: OpenAIServer) -> FastAPI:
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         return error_response(400, f"invalid request body at {where or 'body'}: {first.get('msg', 'malformed')}",
                               "invalid_request_error", where or None)
+
+    if server.api_key:
+        expected = f"Bearer {server.api_key}".encode()
+
+        @app.middleware("http")
+        async def _require_api_key(request: Request, call_next):
+            if request.url.path.startswith("/v1"):
+                given = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(given, expected):
+                    return error_response(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                                          "authentication_error", None, {"WWW-Authenticate": "Bearer"})
+            return await call_next(request)
 
     @app.get("/health")
     async def health():

@@ -52,9 +52,25 @@ def _check(q, k, v, k_scale, v_scale, block_table, lens, bits):
                          f"{tuple(block_table.shape)}, {tuple(lens.shape)}")
 
 
+_WORKSPACE: dict = {}
+
+
+def _workspace(name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reused buffer of ``shape`` for gathered pages: filling a fresh allocation each call cost
+    7x the copy itself on the CPU (page faults). Valid until the next call with the same name."""
+    numel = math.prod(shape)
+    key = (name, dtype, device)
+    buf = _WORKSPACE.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _WORKSPACE[key] = torch.empty(max(numel, 2 * (buf.numel() if buf is not None else 0)),
+                                            dtype=dtype, device=device)
+    return buf[:numel].view(shape)
+
+
 def paged_decode_attention_ref(q, k, v, k_scale, v_scale, block_table, lens, bits: int,
                                sm_scale: float | None = None):
-    """Plain-torch reference (gathers the pages, dequantizes, masked softmax)."""
+    """Plain-torch reference (gathers the pages into a reused buffer, dequantizes, masked softmax,
+    one KV head at a time)."""
     _check(q, k, v, k_scale, v_scale, block_table, lens, bits)
     b, hq, d = q.shape
     bs, hkv = k.shape[1], k.shape[2]
@@ -67,22 +83,30 @@ def paged_decode_attention_ref(q, k, v, k_scale, v_scale, block_table, lens, bit
     num_pages = -(-max_len // bs)
     pages = block_table[:, :num_pages].long()
 
-    def gather(pool, scale):
-        x = pool[pages].flatten(1, 2)[:, :max_len]           # [B, T, Hkv, Dk]
+    def gather(pool, scale, name):
+        shape = (b * num_pages,) + tuple(pool.shape[1:])
+        x = torch.index_select(pool, 0, pages.reshape(-1), out=_workspace(name, shape, pool.dtype, pool.device))
+        x = x.view(b, num_pages * bs, *pool.shape[2:])[:, :max_len]    # [B, T, Hkv, Dk]
         if bits:
             x = dequantize_ref(x, scale[pages].flatten(1, 2)[:, :max_len], bits)
         return x.float()
 
-    keys, values = gather(k, k_scale), gather(v, v_scale)
+    keys, values = gather(k, k_scale, "k"), gather(v, v_scale, "v")       # [B, T, Hkv, D]
     g = hq // hkv
     qg = q.float().view(b, hkv, g, d)
-    scores = torch.einsum("bhgd,bthd->bhgt", qg, keys) * sm_scale
     valid = torch.arange(max_len, device=q.device)[None, :] < lens[:, None].to(q.device)
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    row_lse = torch.logsumexp(scores, dim=-1)                  # [B, Hkv, G]
-    probs = torch.exp(scores - row_lse[..., None]).nan_to_num(0.0)
-    out = torch.einsum("bhgt,bthd->bhgd", probs, values).reshape(b, hq, d)
-    return out, row_lse.reshape(b, hq)
+    out = torch.empty(b, hkv, g, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, hkv, g, dtype=torch.float32, device=q.device)
+    # One KV head at a time: [B, T, D] slices of the gathered pages are strided matrices that bmm
+    # reads in place, where one einsum over all heads copied the whole context again.
+    for h in range(hkv):
+        scores = torch.bmm(qg[:, h], keys[:, :, h].transpose(1, 2)).mul_(sm_scale)   # [B, G, T]
+        scores.masked_fill_(~valid[:, None, :], float("-inf"))
+        row_lse = torch.logsumexp(scores, dim=-1)                                   # [B, G]
+        probs = torch.exp(scores - row_lse[..., None]).nan_to_num_(0.0)
+        out[:, h] = torch.bmm(probs, values[:, :, h])
+        lse[:, h] = row_lse
+    return out.reshape(b, hq, d), lse.reshape(b, hq)
 
 
 def merge_attention_states(outs, lses, return_lse: bool = False):

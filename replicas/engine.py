@@ -34,18 +34,22 @@ from replicas.tagger import StructuralTagger, bucket_of
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_rank(config: EngineConfig, rank: int, world_size: int, port: int) -> tuple[ModelRunner, KVCache]:
-    """Load the model shard and KV cache of one tensor-parallel rank (the whole model at TP=1)."""
+def build_rank(config: EngineConfig, rank: int, world_size: int, port: int, addr: str = "127.0.0.1",
+               device_index: int | None = None) -> tuple[ModelRunner, KVCache]:
+    """Load the model shard and KV cache of one tensor-parallel rank (the whole model at TP=1).
+
+    ``device_index``: the CUDA device of this rank (default: ``rank``; 0 under Ray, which shows
+    each worker only its own GPU)."""
     from replicas import tp
     device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if config.device == "auto" else config.device))
     if device.type == "cuda" and world_size > 1:
-        device = torch.device("cuda", rank)
+        device = torch.device("cuda", rank if device_index is None else device_index)
     dtype = _DTYPES.get(config.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     model = load_model(resolve_checkpoint(config.model), dtype, device)
     mc = model.config
     if world_size > 1:
-        tp.init_distributed(rank, world_size, port, device)
+        tp.init_distributed(rank, world_size, port, device, addr)
         tp.shard_model(model, rank, world_size)
     kv = KVCache(KVCacheConfig(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads // world_size,
                                head_dim=mc.head_dim, dtype=dtype, block_size=config.block_size,
@@ -75,10 +79,13 @@ class LLMEngine:
         path = resolve_checkpoint(config.model)
         world = config.tensor_parallel_size
         self._workers: list = []
-        port = tp.free_port() if world > 1 else 0
+        port, addr = (tp.free_port() if world > 1 else 0), "127.0.0.1"
+        device_index = None
         if world > 1:
-            self._workers = tp.start_workers(world, port, config)
-        self.runner, self.kv = build_rank(config, 0, world, port)
+            under_ray = tp.current_placement_group(world) is not None
+            self._workers, addr = tp.start_workers(world, port, config)
+            device_index = 0 if under_ray else None
+        self.runner, self.kv = build_rank(config, 0, world, port, addr, device_index)
         self.model, self.device = self.runner.model, self.runner.device
         if world > 1:
             broadcaster = tp.Broadcaster()

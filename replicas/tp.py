@@ -2,14 +2,15 @@
 applied to the unchanged model as a function (gpt-fast's ``apply_tp``), all-reduce through
 ``torch.distributed`` (gloo on CPU, nccl on CUDA). The KV cache of each rank holds its KV heads.
 
-Rank 0 runs the engine; ranks 1..N-1 are worker processes that mirror every model-runner call
-and every KV cache mutation, which rank 0 broadcasts before running it itself. All ranks compute
-the same logits (the LM head is replicated), so only rank 0 samples.
+Rank 0 runs the engine; ranks 1..N-1 are workers that mirror every model-runner call and every
+KV cache mutation, which rank 0 broadcasts before running it itself. All ranks compute the same
+logits (the LM head is replicated), so only rank 0 samples. Workers are Ray tasks on bundles
+1..N-1 of the caller's placement group when it runs inside one with a bundle per rank (a Ray Serve
+replica deployed with ``placement_group_bundles``, as Ray Serve LLM does), else local processes.
 """
 
 from __future__ import annotations
 
-import os
 import socket
 from typing import Any
 
@@ -67,10 +68,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(rank: int, world_size: int, port: int, device: torch.device) -> None:
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+def init_distributed(rank: int, world_size: int, port: int, device: torch.device, addr: str = "127.0.0.1") -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size)
 
 
 class Broadcaster:
@@ -122,11 +122,12 @@ class _Stub:
         self.num_tokens = len(token_ids) if num_tokens is None else num_tokens
 
 
-def worker_main(rank: int, world_size: int, port: int, config) -> None:
+def worker_main(rank: int, world_size: int, port: int, config, addr: str = "127.0.0.1",
+                device_index: int | None = None) -> None:
     """A worker rank: build the shard, then replay rank 0's calls until told to stop."""
     from replicas.engine import build_rank
     torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
-    runner, kv = build_rank(config, rank, world_size, port)
+    runner, kv = build_rank(config, rank, world_size, port, addr, device_index)
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0)
@@ -142,10 +143,48 @@ def worker_main(rank: int, world_size: int, port: int, config) -> None:
     dist.destroy_process_group()
 
 
-def start_workers(world_size: int, port: int, config) -> list:
+def current_placement_group(world_size: int):
+    """The Ray placement group this process runs in, when it has a bundle for every rank."""
+    try:
+        import ray
+        from ray.util import get_current_placement_group
+    except ImportError:
+        return None
+    if not ray.is_initialized():
+        return None
+    pg = get_current_placement_group()
+    return pg if pg is not None and len(pg.bundle_specs) >= world_size else None
+
+
+class _RayWorker:
+    """A worker rank running as a Ray task on one bundle of the replica's placement group."""
+
+    def __init__(self, pg, rank: int, world_size: int, port: int, config, addr: str):
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        bundle = pg.bundle_specs[rank]
+        gpus = bundle.get("GPU", 0)
+        task = ray.remote(worker_main).options(
+            num_cpus=bundle.get("CPU", 0), num_gpus=gpus, max_retries=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank))
+        # Ray shows each task only its own GPU, as device 0.
+        self.ref = task.remote(rank, world_size, port, config, addr, 0 if gpus else None)
+
+    def join(self, timeout: float) -> None:
+        import ray
+        ray.wait([self.ref], timeout=timeout)
+
+
+def start_workers(world_size: int, port: int, config) -> tuple[list, str]:
+    """Start ranks 1..N-1; returns (handles with ``join(timeout)``, rendezvous address)."""
+    pg = current_placement_group(world_size)
+    if pg is not None:
+        import ray
+        addr = ray.util.get_node_ip_address()
+        return [_RayWorker(pg, r, world_size, port, config, addr) for r in range(1, world_size)], addr
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=worker_main, args=(r, world_size, port, config), daemon=True)
              for r in range(1, world_size)]
     for p in procs:
         p.start()
-    return procs
+    return procs, "127.0.0.1"

@@ -129,3 +129,19 @@ def test_openai_sdk_unchanged(app):
     tc = resp.choices[0].message.tool_calls[0]
     assert resp.choices[0].finish_reason == "tool_calls"
     jsonschema.validate(json.loads(tc.function.arguments), WEATHER["function"]["parameters"])
+
+
+def test_api_key_required_on_v1_routes(engine):
+    server = OpenAIServer(AsyncLLMEngine(engine), MODEL, api_key="s3cret")
+    app = build_app(server)
+
+    async def go(headers, path="/v1/models"):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            return await c.get(path, headers=headers)
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        r = asyncio.run(go(headers))
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", headers
+        assert r.headers["www-authenticate"] == "Bearer"
+    assert asyncio.run(go({"Authorization": "Bearer s3cret"})).json()["data"][0]["id"] == MODEL
+    assert asyncio.run(go({}, "/health")).status_code == 200
+    server.engine.shutdown()

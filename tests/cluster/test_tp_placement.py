@@ -1,0 +1,50 @@
+"""Tensor parallelism under Ray: inside a placement group with a bundle per rank, the engine starts
+its worker ranks as Ray tasks on the other bundles, and the tokens equal one rank's; the Serve
+deployment asks for that placement group."""
+
+import pytest
+
+from cluster.app import AppArgs, replica_options
+from replicas.sampling_params import SamplingParams
+
+
+def test_replica_options_reserve_a_bundle_per_rank():
+    assert "placement_group_bundles" not in replica_options(AppArgs(num_cpus=2))
+    opts = replica_options(AppArgs(tensor_parallel_size=2, num_cpus=2, num_gpus=1))
+    assert opts["placement_group_bundles"] == [{"CPU": 2, "GPU": 1}, {"CPU": 2, "GPU": 1}]
+    assert opts["placement_group_strategy"] == "STRICT_PACK"
+    assert opts["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 1}
+
+
+@pytest.mark.slow
+def test_tp_workers_run_as_ray_tasks_in_the_placement_group(ray_cluster, engine, chat_prompts):
+    ray = ray_cluster
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = [o.token_ids for o in engine.generate(chat_prompts[:2], params)]
+
+    @ray.remote(num_cpus=0.25)
+    class Replica:
+        def run(self, prompts):
+            from replicas import tp
+            from replicas.config import EngineConfig
+            from replicas.engine import LLMEngine
+            eng = LLMEngine(EngineConfig(kv_cache_bytes=64 << 20, tensor_parallel_size=2))
+            try:
+                kinds = [type(w).__name__ for w in eng._workers]
+                return (tp.current_placement_group(2) is not None, kinds,
+                        [o.token_ids for o in eng.generate(prompts, params)])
+            finally:
+                eng.close()
+
+    pg = placement_group([{"CPU": 0.25}, {"CPU": 0.25}], strategy="STRICT_PACK")
+    try:
+        ray.get(pg.ready(), timeout=60)
+        replica = Replica.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=0)).remote()
+        in_group, kinds, got = ray.get(replica.run.remote(chat_prompts[:2]), timeout=300)
+        assert in_group and kinds == ["_RayWorker"]
+        assert got == want
+    finally:
+        remove_placement_group(pg)
