@@ -62,8 +62,9 @@ def _workspace(name: str, shape: tuple, dtype: torch.dtype, device: torch.device
     key = (name, dtype, device)
     buf = _WORKSPACE.get(key)
     if buf is None or buf.numel() < numel:
-        buf = _WORKSPACE[key] = torch.empty(max(numel, 2 * (buf.numel() if buf is not None else 0)),
-                                            dtype=dtype, device=device)
+        with torch.inference_mode(False):  # a normal tensor: writable in and outside inference mode
+            buf = _WORKSPACE[key] = torch.empty(max(numel, 2 * (buf.numel() if buf is not None else 0)),
+                                                dtype=dtype, device=device)
     return buf[:numel].view(shape)
 
 

@@ -137,3 +137,16 @@ def test_registry_uses_reference_off_cuda():
     with pytest.raises(ValueError, match="bits must be"):
         quantize_store_ref(torch.zeros(1, 1, 2), torch.zeros(1, 1, 2, dtype=torch.int8), torch.zeros(1, 1),
                            torch.zeros(1, dtype=torch.long), 5)
+
+
+def test_reference_workspace_is_shared_in_and_outside_inference_mode():
+    """The reference reuses one gather buffer; a buffer first made under inference mode must stay
+    writable outside it (and the other way round), and results must not depend on the order."""
+    table, pool, _ = make_pool([9, 3], 4, 2, 8, 0)
+    q = torch.randn(2, 4, 8)
+    lens = torch.tensor([9, 3], dtype=torch.int32)
+    kernels.decode_attention._WORKSPACE.clear()
+    with torch.inference_mode():
+        a, _ = paged_decode_attention_ref(q, *pool, table, lens, 0)
+    b, _ = paged_decode_attention_ref(q, *pool, table, lens, 0)
+    torch.testing.assert_close(a, b)
