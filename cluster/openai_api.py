@@ -41,6 +41,67 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+class APIMetrics:
+    """Per-request metrics through ``ray.util.metrics`` (Ray dashboard, Prometheus names with a
+    ``ray_`` prefix); a no-op where Ray is not initialized (the API in-process).
+
+    ``structkv_requests`` {finish_reason}, ``structkv_prompt_tokens``, ``structkv_generation_tokens``,
+    ``structkv_ttft_seconds`` and ``structkv_inter_token_latency_seconds`` (histograms),
+    ``structkv_request_kv_bytes_peak``, ``structkv_request_kv_ratio`` (achieved bytes held / full KV,
+    max over the request: histogram), ``structkv_grammar_compile_failures``, ``structkv_request_errors``
+    {status}.
+    """
+
+    LATENCY_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
+    RATIO = [0.05, 0.1, 0.15, 0.2, 0.25, 0.33, 0.5, 0.75, 1.0]
+
+    def __init__(self, model: str):
+        self.tags, self.m = {"model": model}, None
+        try:
+            import ray
+            if not ray.is_initialized():
+                return
+            from ray.util import metrics as rm
+        except ImportError:
+            return
+        t = ("model",)
+        self.m = {
+            "requests": rm.Counter("structkv_requests", "Finished requests", tag_keys=t + ("finish_reason",)),
+            "errors": rm.Counter("structkv_request_errors", "Requests answered with an error", tag_keys=t + ("status",)),
+            "prompt": rm.Counter("structkv_prompt_tokens", "Prompt tokens", tag_keys=t),
+            "generation": rm.Counter("structkv_generation_tokens", "Generated tokens", tag_keys=t),
+            "ttft": rm.Histogram("structkv_ttft_seconds", "Time to first token", boundaries=self.LATENCY_S, tag_keys=t),
+            "itl": rm.Histogram("structkv_inter_token_latency_seconds", "Mean inter-token latency of a request",
+                                boundaries=self.LATENCY_S, tag_keys=t),
+            "ratio": rm.Histogram("structkv_request_kv_ratio", "KV bytes held / full KV bytes, max over a request",
+                                  boundaries=self.RATIO, tag_keys=t),
+            "kv_bytes": rm.Gauge("structkv_request_kv_bytes_peak", "KV bytes held by the last finished request",
+                                 tag_keys=t),
+            "grammar": rm.Counter("structkv_grammar_compile_failures", "Grammars that did not compile", tag_keys=t)}
+
+    def finished(self, out: RequestOutput) -> None:
+        if self.m is None:
+            return
+        m, n = out.metrics, len(out.token_ids)
+        self.m["requests"].inc(1, {**self.tags, "finish_reason": out.finish_reason or "unknown"})
+        self.m["prompt"].inc(out.num_prompt_tokens, self.tags)
+        if n:
+            self.m["generation"].inc(n, self.tags)
+        if m.first_token_s is not None:
+            self.m["ttft"].observe(m.first_token_s - m.arrival_s, self.tags)
+            if n > 1 and m.finished_s is not None:
+                self.m["itl"].observe((m.finished_s - m.first_token_s) / (n - 1), self.tags)
+        self.m["ratio"].observe(m.kv_ratio_max, self.tags)
+        self.m["kv_bytes"].set(m.kv_bytes_peak, self.tags)
+
+    def error(self, status: int, grammar: bool = False) -> None:
+        if self.m is None:
+            return
+        self.m["errors"].inc(1, {**self.tags, "status": str(status)})
+        if grammar:
+            self.m["grammar"].inc(1, self.tags)
+
+
 class OpenAIServer:
     """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses.
 
@@ -55,6 +116,7 @@ class OpenAIServer:
                  api_key: str | None = None):
         self.engine, self.model_name, self.max_pending = engine, model_name, max_pending
         self.api_key = api_key or None
+        self.metrics = APIMetrics(model_name)
         self.tokenizer = engine.engine.tokenizer
         self.pending = 0
 
@@ -135,17 +197,23 @@ class OpenAIServer:
     # ------------------------------------------------------------------ running
     async def run(self, ids, params, grammar, kv_budget) -> AsyncIterator[RequestOutput]:
         if self.pending >= self.max_pending:
+            self.metrics.error(429)
             raise APIError(429, "the replica's queue is full; retry later", "rate_limit_error",
                            headers={"Retry-After": "1"})
         self.pending += 1
         try:
             async for out in self.engine.generate(ids, params, f"req-{uuid.uuid4().hex}", grammar, kv_budget):
+                if out.finished:
+                    self.metrics.finished(out)
                 yield out
         except GrammarCompileError as e:
+            self.metrics.error(400, grammar=True)
             raise APIError(400, str(e), param="response_format") from None
         except InvalidRequestError as e:
+            self.metrics.error(400)
             raise APIError(400, str(e)) from None
         except EngineDeadError as e:
+            self.metrics.error(503)
             raise APIError(503, str(e), "service_unavailable", headers={"Retry-After": "1"}) from None
         finally:
             self.pending -= 1
@@ -155,7 +223,13 @@ class OpenAIServer:
         return Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=len(out.token_ids),
                      total_tokens=out.num_prompt_tokens + len(out.token_ids), kv_bytes_peak=m.kv_bytes_peak,
                      kv_budget_ratio_mean=round(m.kv_ratio_mean, 6), kv_budget_ratio_max=round(m.kv_ratio_max, 6),
-                     kv_policy=self.engine.engine.policy.name).model_dump()
+                     kv_policy=self._policy_label()).model_dump()
+
+    def _policy_label(self) -> str:
+        """The policy name, with the table versions it serves (``pask@v2``)."""
+        versions = self.engine.engine.table_versions
+        name = self.engine.engine.policy.name
+        return name + "".join(f" {k}@{v}" for k, v in sorted(versions.items()))
 
 
 def _json_or_text(arguments: str) -> Any:

@@ -84,15 +84,22 @@ def test_metrics_read_back_from_the_export_endpoint(serve_url, ray_cluster):
     port = ray_cluster.nodes()[0].get("MetricsExportPort")
     if not port:
         pytest.skip("this Ray node exports no metrics")
+    bad = {"model": "qwen3-fc-6m", "messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+            "a": {"$ref": "#/missing"}}}}}}
+    assert httpx.post(f"{serve_url}/v1/chat/completions", json=bad, timeout=60).status_code == 400
+    names = ("ray_structkv_replica_kv_budget", "ray_structkv_replica_memory_fraction", "ray_structkv_controller_budget",
+             "ray_structkv_requests", "ray_structkv_generation_tokens", "ray_structkv_ttft_seconds",
+             "ray_structkv_inter_token_latency_seconds", "ray_structkv_request_kv_ratio",
+             "ray_structkv_grammar_compile_failures")
     seen = set()
     for _ in range(60):
         try:
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         except OSError:
             text = ""
-        seen = {name for name in ("ray_structkv_replica_kv_budget", "ray_structkv_replica_memory_fraction",
-                                  "ray_structkv_controller_budget") if name in text}
-        if len(seen) == 3:
+        seen = {name for name in names if name in text}
+        if len(seen) == len(names):
             break
         time.sleep(1)
-    assert len(seen) == 3, f"found only {seen} on the metrics endpoint"
+    assert seen == set(names), f"missing on the metrics endpoint: {set(names) - seen}"
