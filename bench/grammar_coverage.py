@@ -109,10 +109,16 @@ def _subset_worker(path: str, start: int, timeout_s: float, conn) -> None:
     conn.send(None)
 
 
-def jsonschemabench_coverage(timeout_s: float, limit: int | None, progress_path: Path | None = None) -> dict:
-    report = {}
+def jsonschemabench_coverage(timeout_s: float, limit: int | None, progress_path: Path | None = None,
+                             subsets: list[str] | None = None) -> dict:
+    """Per subset: compiled / refused / timeout / crashed counts and compile seconds. Subsets
+    already in ``progress_path`` (a stopped run's report) are kept and not rerun."""
+    report = json.loads(progress_path.read_text()) if progress_path and progress_path.is_file() else {}
     ctx = mp.get_context("spawn")
     for path in sorted(JSONSCHEMABENCH_DIR.glob("*.jsonl.gz")):
+        name = path.name.split(".")[0]
+        if name in report or (subsets and name not in subsets):
+            continue
         with gzip.open(path, "rt") as f:
             total = sum(1 for _ in f)
         total = min(total, limit) if limit else total
@@ -160,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("suite", choices=("bfcl", "jsonschemabench"))
     ap.add_argument("--timeout-s", type=float, default=10.0, help="compile time bound per grammar")
     ap.add_argument("--limit", type=int, help="schemas per JSONSchemaBench subset")
-    ap.add_argument("--json", type=Path, help="write the report as JSON")
+    ap.add_argument("--json", type=Path, help="write the report as JSON (jsonschemabench: subsets already "
+                    "in this file are kept, so a stopped run resumes)")
+    ap.add_argument("--subsets", nargs="+", help="only these JSONSchemaBench subsets")
     args = ap.parse_args(argv)
     if args.suite == "bfcl":
         report = bfcl_coverage(args.timeout_s)
@@ -170,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         for f in report["failures"][:20]:
             print("failure:", json.dumps(f)[:300])
     else:
-        report = jsonschemabench_coverage(args.timeout_s, args.limit, args.json)
+        report = jsonschemabench_coverage(args.timeout_s, args.limit, args.json, args.subsets)
         print(f"{'subset':<18} {'compiled':>9} {'refused':>8} {'timeout':>8} {'crashed':>8} {'seconds':>9}")
         for name, c in report.items():
             print(f"{name:<18} {c['compiled']:>9} {c['refused']:>8} {c['timeout']:>8} {c['crashed']:>8} {c['seconds']:>9.1f}")
