@@ -37,8 +37,11 @@ class AppArgs(BaseModel):
     high_water: float = Field(0.85, gt=0, le=1, description="Memory fraction above which budgets fall.")
     low_water: float = Field(0.65, gt=0, lt=1, description="Memory fraction under which budgets recover.")
     table_store: str | None = Field(None, description="Table store directory (default ~/.cache/structkv/table-store).")
-    api_key: str | None = Field(None, description="Bearer token required on /v1 routes; default: the "
-                                "STRUCTKV_API_KEY environment variable of the replica, else no auth.")
+    limits: dict = Field(default_factory=dict, description="Request limits checked before the engine "
+                         "(cluster.protocol.Limits: max_body_bytes, max_stop, max_tools, max_schema_bytes, ...).")
+    api_key: str | None = Field(None, description="Bearer token required on /v1 routes; default: "
+                                "api_key_file, else the STRUCTKV_API_KEY environment variable, else no auth.")
+    api_key_file: str | None = Field(None, description="File holding the API key (first line).")
     autoscaling_config: dict | None = Field(None, description="Ray Serve autoscaling_config (replaces "
                                             "num_replicas); the policy defaults to autoscale.policy:kv_pressure_policy.")
 
@@ -67,9 +70,9 @@ class OpenAIDeployment:
             max_num_seqs=a.max_num_seqs, tensor_parallel_size=a.tensor_parallel_size,
             kv_policy_args=a.kv_policy_args))
         self.engine = engine
-        import os
+        from cluster.protocol import Limits
         self.server = OpenAIServer(engine, a.served_model_name or Path(a.model).name, a.max_pending,
-                                   a.api_key or os.environ.get("STRUCTKV_API_KEY"))
+                                   resolve_api_key(a), Limits(**a.limits))
         self.agent = None
         if a.budget_controller:
             from cluster.agent import ReplicaAgent
@@ -98,6 +101,24 @@ class OpenAIDeployment:
         return build_fastapi(self.server)
 
 
+def resolve_api_key(a: AppArgs) -> str | None:
+    """The API key: ``api_key``, else the first line of ``api_key_file``, else ``STRUCTKV_API_KEY``.
+
+    Raises:
+        ValueError: ``api_key_file`` missing or empty (refusing to start open by mistake).
+    """
+    import os
+    if a.api_key:
+        return a.api_key
+    if a.api_key_file:
+        path = Path(a.api_key_file).expanduser()
+        key = path.read_text().strip().splitlines()[0].strip() if path.is_file() and path.read_text().strip() else ""
+        if not key:
+            raise ValueError(f"api_key_file {path} is missing or empty")
+        return key
+    return os.environ.get("STRUCTKV_API_KEY") or None
+
+
 def build_app(args: dict):
     """Validate the config's ``args`` and bind the deployment.
 
@@ -106,6 +127,9 @@ def build_app(args: dict):
         CheckpointNotFoundError: the model folder does not hold a checkpoint.
     """
     a = AppArgs(**(args or {}))
+    from cluster.protocol import Limits
+    Limits(**a.limits)  # an unknown or out-of-range limit fails here, before any replica starts
+    resolve_api_key(a)
     if a.low_water >= a.high_water:
         raise ValueError(f"low_water ({a.low_water}) must be below high_water ({a.high_water})")
     from replicas.policies import POLICIES

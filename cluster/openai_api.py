@@ -18,8 +18,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from cluster.protocol import (ChatCompletionRequest, CompletionRequest, NamedToolChoice, SamplingFields,
-                              ToolCall, ToolCallFunction, Usage, now)
+from cluster.protocol import (ChatCompletionRequest, CompletionRequest, Limits, NamedToolChoice,
+                              SamplingFields, ToolCall, ToolCallFunction, Usage, json_depth, now)
 from models import chat
 from replicas.async_engine import AsyncLLMEngine, EngineDeadError
 from replicas.errors import GrammarCompileError, InvalidRequestError
@@ -110,11 +110,13 @@ class OpenAIServer:
         model_name: the id clients send as ``model``.
         max_pending: requests in flight beyond which new ones get 429 with Retry-After.
         api_key: when set, the bearer token every ``/v1`` request must carry.
+        limits: request limits checked before the engine (:class:`cluster.protocol.Limits`).
     """
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str, max_pending: int = 256,
-                 api_key: str | None = None):
+                 api_key: str | None = None, limits: Limits | None = None):
         self.engine, self.model_name, self.max_pending = engine, model_name, max_pending
+        self.limits = limits or Limits()
         self.api_key = api_key or None
         self.metrics = APIMetrics(model_name)
         self.tokenizer = engine.engine.tokenizer
@@ -126,12 +128,36 @@ class OpenAIServer:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
                            "not_found_error", "model")
 
+    def _check_schema(self, schema: Any, param: str) -> None:
+        lim = self.limits
+        size = len(json.dumps(schema))
+        if size > lim.max_schema_bytes:
+            raise APIError(400, f"{param}: schema of {size} bytes is over the limit of {lim.max_schema_bytes}",
+                           param=param)
+        depth = json_depth(schema, lim.max_schema_depth)
+        if depth > lim.max_schema_depth:
+            raise APIError(400, f"{param}: schema nested deeper than {lim.max_schema_depth} levels", param=param)
+
+    def _check_tools(self, req: ChatCompletionRequest) -> None:
+        lim, tools = self.limits, req.tools or []
+        if len(tools) > lim.max_tools:
+            raise APIError(400, f"{len(tools)} tools, over the limit of {lim.max_tools}", param="tools")
+        for i, t in enumerate(tools):
+            if len(t.function.name) > lim.max_tool_name_chars:
+                raise APIError(400, f"tools[{i}].function.name is {len(t.function.name)} characters, over the "
+                                    f"limit of {lim.max_tool_name_chars}", param=f"tools[{i}].function.name")
+            self._check_schema(t.function.parameters, f"tools[{i}].function.parameters")
+
     def _sampling(self, req: SamplingFields, max_tokens: int | None, num_prompt: int) -> SamplingParams:
-        room = self.engine.engine.max_model_len - num_prompt
+        context = self.engine.engine.max_model_len
+        room = context - num_prompt
         if room < 1:
             raise APIError(400, f"prompt of {num_prompt} tokens leaves no room in the context of "
-                                f"{self.engine.engine.max_model_len} tokens", param="messages")
+                                f"{context} tokens", param="messages")
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        if len(stop) > self.limits.max_stop or any(len(x) > self.limits.max_stop_chars for x in stop):
+            raise APIError(400, f"stop takes at most {self.limits.max_stop} strings of at most "
+                                f"{self.limits.max_stop_chars} characters", param="stop")
         try:
             return SamplingParams(max_tokens=max_tokens or min(room, 1024), temperature=req.temperature,
                                   top_p=req.top_p, seed=req.seed, stop=stop)
@@ -141,6 +167,7 @@ class OpenAIServer:
     def chat_request(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams, GrammarSpec | None, bool]:
         """Prompt ids, sampling, grammar, and whether tool calls are parsed from the output."""
         self._check_model(req.model)
+        self._check_tools(req)
         tools = [t.model_dump() for t in req.tools] if req.tools else None
         choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
         if isinstance(choice, NamedToolChoice):
@@ -171,6 +198,7 @@ class OpenAIServer:
         elif req.response_format and req.response_format.type == "json_schema":
             if req.response_format.json_schema is None:
                 raise APIError(400, "response_format json_schema needs a json_schema", param="response_format")
+            self._check_schema(req.response_format.json_schema.schema_, "response_format.json_schema.schema")
             grammar = GrammarSpec("json_schema", req.response_format.json_schema.schema_)
         elif req.response_format and req.response_format.type == "json_object":
             grammar = GrammarSpec("json_object")
@@ -191,7 +219,12 @@ class OpenAIServer:
                                param="structured_outputs")
             if given:
                 kind = {"json_": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf"}[given[0]]
-                grammar = GrammarSpec(kind, getattr(so, given[0]))
+                value = getattr(so, given[0])
+                if kind == "choice" and len(value) > self.limits.max_choices:
+                    raise APIError(400, f"structured_outputs.choice has {len(value)} strings, over the limit of "
+                                        f"{self.limits.max_choices}", param="structured_outputs.choice")
+                self._check_schema(value, f"structured_outputs.{given[0].rstrip('_')}")
+                grammar = GrammarSpec(kind, value)
         return ids, self._sampling(req, req.max_tokens, len(ids)), grammar
 
     # ------------------------------------------------------------------ running
@@ -287,6 +320,23 @@ def build_app(server: OpenAIServer) -> FastAPI:
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         return error_response(400, f"invalid request body at {where or 'body'}: {first.get('msg', 'malformed')}",
                               "invalid_request_error", where or None)
+
+    max_body = server.limits.max_body_bytes
+
+    @app.middleware("http")
+    async def _limit_body(request: Request, call_next):
+        """413 for a body over the limit: by Content-Length, else by the body read (and kept for
+        the route)."""
+        if request.method in ("POST", "PUT", "PATCH"):
+            declared = request.headers.get("content-length")
+            if declared is not None and declared.isdigit():
+                too_big = int(declared) > max_body
+            else:
+                too_big = len(await request.body()) > max_body
+            if too_big:
+                return error_response(413, f"request body over the limit of {max_body} bytes",
+                                      "invalid_request_error")
+        return await call_next(request)
 
     if server.api_key:
         expected = f"Bearer {server.api_key}".encode()

@@ -10,6 +10,34 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
+class Limits(BaseModel):
+    """Limits checked at the edge, before the engine (``limits`` in serve_config.yaml's args).
+    Each violation is a 4xx in the OpenAI error envelope."""
+    model_config = ConfigDict(extra="forbid")
+    max_body_bytes: int = Field(2 << 20, gt=0, description="Request body size (413 above).")
+    max_stop: int = Field(16, ge=0, description="Stop strings per request.")
+    max_stop_chars: int = Field(256, gt=0, description="Characters per stop string.")
+    max_tools: int = Field(128, ge=0, description="Tools per request.")
+    max_tool_name_chars: int = Field(64, gt=0, description="Characters of a tool name.")
+    max_schema_bytes: int = Field(256 << 10, gt=0, description="A JSON schema (tool parameters or response "
+                                  "format), serialized.")
+    max_schema_depth: int = Field(32, gt=0, description="Nesting depth of a JSON schema (objects and lists).")
+    max_choices: int = Field(1024, gt=0, description="Strings of a structured_outputs choice.")
+
+
+def json_depth(x: Any, limit: int) -> int:
+    """Nesting depth of ``x`` (dicts and lists), counted up to ``limit + 1`` (no recursion)."""
+    deepest, stack = 0, [(x, 1)]
+    while stack:
+        node, d = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, d)
+            if deepest > limit:
+                return deepest
+            stack.extend((v, d + 1) for v in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 

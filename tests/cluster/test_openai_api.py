@@ -145,3 +145,36 @@ def test_api_key_required_on_v1_routes(engine):
     assert asyncio.run(go({"Authorization": "Bearer s3cret"})).json()["data"][0]["id"] == MODEL
     assert asyncio.run(go({}, "/health")).status_code == 200
     server.engine.shutdown()
+
+
+def _deep(n):
+    s = {"type": "string"}
+    for _ in range(n):
+        s = {"type": "object", "properties": {"a": s}}
+    return s
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    (chat(stop=[f"s{i}" for i in range(17)]), 400, "stop"),
+    (chat(stop=["x" * 257]), 400, "stop"),
+    (chat(tools=[WEATHER] * 129), 400, "129 tools"),
+    (chat(tools=[{"type": "function", "function": {"name": "f" * 65, "parameters": {}}}]), 400, "65 characters"),
+    (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": _deep(40)}}]), 400, "deeper than 32"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "description": "d" * (300 << 10)}}}), 400, "over the limit"),
+    (chat(max_tokens=5000), 400, "exceeds the context"),
+])
+def test_limits_at_the_edge(app, body, status, needle):
+    r = call(app, "POST", "/v1/chat/completions", body)
+    assert r.status_code == status, r.text
+    assert needle in r.json()["error"]["message"]
+
+
+def test_body_over_the_limit_is_413(engine):
+    from cluster.protocol import Limits
+    server = OpenAIServer(AsyncLLMEngine(engine), MODEL, limits=Limits(max_body_bytes=1000))
+    small = build_app(server)
+    r = call(small, "POST", "/v1/chat/completions", chat(messages=[{"role": "user", "content": "x" * 2000}]))
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+    assert call(small, "POST", "/v1/chat/completions", chat(max_tokens=2)).status_code == 200
+    server.engine.shutdown()

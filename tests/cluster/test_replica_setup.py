@@ -1,4 +1,4 @@
-"""Tensor parallelism under Ray: inside a placement group with a bundle per rank, the engine starts
+"""How a replica is set up: API key sources, and tensor parallelism under Ray: inside a placement group with a bundle per rank, the engine starts
 its worker ranks as Ray tasks on the other bundles, and the tokens equal one rank's; the Serve
 deployment asks for that placement group."""
 
@@ -48,3 +48,17 @@ def test_tp_workers_run_as_ray_tasks_in_the_placement_group(ray_cluster, engine,
         assert got == want
     finally:
         remove_placement_group(pg)
+
+
+def test_api_key_sources(tmp_path, monkeypatch):
+    from cluster.app import resolve_api_key
+    monkeypatch.delenv("STRUCTKV_API_KEY", raising=False)
+    assert resolve_api_key(AppArgs()) is None
+    monkeypatch.setenv("STRUCTKV_API_KEY", "from-env")
+    assert resolve_api_key(AppArgs()) == "from-env"
+    f = tmp_path / "key"
+    f.write_text("from-file\n")
+    assert resolve_api_key(AppArgs(api_key_file=str(f))) == "from-file"
+    assert resolve_api_key(AppArgs(api_key="literal", api_key_file=str(f))) == "literal"
+    with pytest.raises(ValueError, match="missing or empty"):
+        resolve_api_key(AppArgs(api_key_file=str(tmp_path / "nope")))
