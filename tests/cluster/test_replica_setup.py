@@ -1,6 +1,6 @@
-"""How a replica is set up: API key sources, and tensor parallelism under Ray: inside a placement group with a bundle per rank, the engine starts
-its worker ranks as Ray tasks on the other bundles, and the tokens equal one rank's; the Serve
-deployment asks for that placement group."""
+"""How a replica is set up: where its API key comes from, and tensor parallelism under Ray (inside
+a placement group with a bundle per rank the engine starts its worker ranks as Ray tasks on the
+other bundles, with the tokens of one rank; the Serve deployment asks for that placement group)."""
 
 import pytest
 
