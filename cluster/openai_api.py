@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.protocol import (ChatCompletionRequest, CompletionRequest, Limits, NamedToolChoice,
                               SamplingFields, ToolCall, ToolCallFunction, Usage, json_depth, now)
@@ -199,7 +200,8 @@ class OpenAIServer:
             if req.response_format.json_schema is None:
                 raise APIError(400, "response_format json_schema needs a json_schema", param="response_format")
             self._check_schema(req.response_format.json_schema.schema_, "response_format.json_schema.schema")
-            grammar = GrammarSpec("json_schema", req.response_format.json_schema.schema_)
+            grammar = GrammarSpec("json_schema", req.response_format.json_schema.schema_,
+                                  strict=bool(req.response_format.json_schema.strict))
         elif req.response_format and req.response_format.type == "json_object":
             grammar = GrammarSpec("json_object")
         params = self._sampling(req, req.max_completion_tokens or req.max_tokens, len(ids))
@@ -228,7 +230,8 @@ class OpenAIServer:
         return ids, self._sampling(req, req.max_tokens, len(ids)), grammar
 
     # ------------------------------------------------------------------ running
-    async def run(self, ids, params, grammar, kv_budget) -> AsyncIterator[RequestOutput]:
+    async def run(self, ids, params, grammar, kv_budget, grammar_param: str = "response_format"
+                  ) -> AsyncIterator[RequestOutput]:
         if self.pending >= self.max_pending:
             self.metrics.error(429)
             raise APIError(429, "the replica's queue is full; retry later", "rate_limit_error",
@@ -241,7 +244,8 @@ class OpenAIServer:
                 yield out
         except GrammarCompileError as e:
             self.metrics.error(400, grammar=True)
-            raise APIError(400, str(e), param="response_format") from None
+            raise APIError(400, str(e), param="tools" if grammar is not None and grammar.kind == "tools"
+                           else grammar_param) from None
         except InvalidRequestError as e:
             self.metrics.error(400)
             raise APIError(400, str(e)) from None
@@ -280,14 +284,19 @@ def _finish_reason(out: RequestOutput, has_calls: bool) -> str:
 
 def _message(out: RequestOutput, parse_tools: bool) -> tuple[dict, bool]:
     if parse_tools:
+        text = out.text
+        cut = text.rfind("<tool_call>")
+        if cut >= 0 and "</tool_call>" not in text[cut:]:
+            text = text[:cut]  # a call cut short (max_tokens or a stop string) is dropped, not leaked
         try:
-            calls, content = chat.parse_tool_calls(out.text)
-        except ValueError:  # cut short by max_tokens inside a call: return the text as is
-            calls, content = [], out.text
+            calls, content = chat.parse_tool_calls(text)
+        except ValueError:  # a malformed block (only without the grammar): the text before it
+            calls, content = [], text[:text.find("<tool_call>")].strip()
         if calls:
             tool_calls = [ToolCall(function=ToolCallFunction(name=c["name"], arguments=json.dumps(c["arguments"])))
                           .model_dump() for c in calls]
             return {"role": "assistant", "content": content or None, "tool_calls": tool_calls}, True
+        return {"role": "assistant", "content": content or None}, False
     return {"role": "assistant", "content": out.text}, False
 
 
@@ -313,6 +322,13 @@ def build_app(server: OpenAIServer) -> FastAPI:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         return error_response(exc.status, exc.message, exc.type, exc.param, exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        """Unknown routes (404), wrong methods (405) and the like, in the same envelope."""
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind,
+                              None, getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -380,7 +396,7 @@ def build_app(server: OpenAIServer) -> FastAPI:
     async def completions(req: CompletionRequest):
         ids, params, grammar = server.completion_request(req)
         rid, created = f"cmpl-{uuid.uuid4().hex}", now()
-        stream = server.run(ids, params, grammar, req.kv_budget)
+        stream = server.run(ids, params, grammar, req.kv_budget, "structured_outputs")
         first = await _first(stream)
         if req.stream:
             return StreamingResponse(_completion_stream(server, rid, created, req.model, first, stream),

@@ -102,7 +102,7 @@ class SamplingFields(_Body):
     max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 = greedy (the model's default).")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="Sampling seed (64-bit).")
     stop: str | list[str] | None = None
     n: Literal[1] = Field(1, description="Only one choice per request is supported.")
     stream: bool = False

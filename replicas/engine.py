@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import time
 from pathlib import Path
 
@@ -159,6 +160,9 @@ class LLMEngine:
         budget = self.config.kv_budget if kv_budget is None else kv_budget
         if not 0.0 < budget <= 1.0:
             raise InvalidRequestError(f"kv_budget must be in (0, 1], got {budget}")
+        # A prompt so short that the budget leaves less than one page per layer is served at one
+        # page per layer, the least the cache can hold (its usage reports the ratio it got).
+        budget = max(budget, 1.0 / math.ceil(len(ids) / self.kv.cfg.block_size))
         try:
             self.policy.check(len(ids), budget, self.kv)
         except ValueError as e:

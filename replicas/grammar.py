@@ -33,13 +33,56 @@ class GrammarSpec:
     """
     kind: str
     value: Any = None
+    strict: bool = False  # json_schema: no properties or items beyond those the schema names
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise GrammarCompileError(f"unknown grammar kind {self.kind!r}; choose from {', '.join(KINDS)}")
 
     def key(self) -> str:
-        return self.kind + ":" + json.dumps(self.value, sort_keys=True, default=str)
+        return self.kind + (":strict:" if self.strict else ":") + json.dumps(self.value, sort_keys=True, default=str)
+
+
+# Keywords xgrammar 0.2.9 compiles but does not enforce (seen: outputs breaking them under the
+# grammar); a schema using one is refused rather than served with output that breaks it.
+_UNENFORCED = ("contains", "minContains", "maxContains", "not", "if", "then", "else", "dependentSchemas",
+               "unevaluatedProperties", "unevaluatedItems")
+_NOT_SCHEMAS = ("const", "enum", "default", "examples", "description", "title", "$comment")
+_NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+
+
+def unenforced_keywords(schema: Any) -> list[str]:
+    """JSON-pointer-ish places where ``schema`` uses a keyword the grammar cannot enforce:
+    the keywords above, ``uniqueItems: true``, ``allOf`` with several members, and ``pattern`` or
+    ``format`` together with ``minLength`` / ``maxLength`` (the lengths are dropped)."""
+    found, stack = [], [(schema, "$")]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, list):
+            stack.extend((x, f"{where}[{i}]") for i, x in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        found += [f"{k} at {where}" for k in _UNENFORCED if k in node]
+        if node.get("uniqueItems") is True:
+            found.append(f"uniqueItems at {where}")
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            found.append(f"allOf at {where}")
+        if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
+            found.append(f"{'pattern' if 'pattern' in node else 'format'} with minLength / maxLength at {where}")
+        for k, v in node.items():
+            if k in _NAME_MAPS and isinstance(v, dict):
+                stack.extend((sub, f"{where}.{k}.{name}") for name, sub in v.items())
+            elif k not in _NOT_SCHEMAS:
+                stack.append((v, f"{where}.{k}"))
+    return found
+
+
+def _refuse_unenforced(schema: Any, what: str) -> None:
+    bad = unenforced_keywords(schema)
+    if bad:
+        raise GrammarCompileError(f"{what} uses JSON Schema keywords the grammar cannot enforce: "
+                                  f"{'; '.join(sorted(bad)[:8])}")
 
 
 def tools_structural_tag(tools: list[dict], tool_choice: Any = "auto", parallel_tool_calls: bool = True):
@@ -75,8 +118,14 @@ class GrammarCompiler:
     def _compile(self, spec: GrammarSpec):
         c, v = self.compiler, spec.value
         if spec.kind == "json_schema":
-            schema = v if isinstance(v, str) else json.dumps(v)
-            return c.compile_json_schema(schema, any_whitespace=False, strict_mode=False)
+            parsed = v
+            if isinstance(v, str):
+                try:
+                    parsed = json.loads(v)
+                except json.JSONDecodeError as e:
+                    raise GrammarCompileError(f"invalid json_schema grammar: not valid JSON: {e}") from None
+            _refuse_unenforced(parsed, "the schema")
+            return c.compile_json_schema(json.dumps(parsed), any_whitespace=False, strict_mode=spec.strict)
         if spec.kind == "json_object":
             return c.compile_builtin_json_grammar()
         if spec.kind == "regex":
@@ -90,6 +139,9 @@ class GrammarCompiler:
         tools = v.get("tools") or []
         if not tools:
             raise GrammarCompileError("a tools grammar needs at least one tool")
+        for t in tools:
+            fn = t.get("function", {})
+            _refuse_unenforced(fn.get("parameters"), f"tool {fn.get('name')!r}")
         tag = tools_structural_tag(tools, v.get("tool_choice", "auto"), v.get("parallel_tool_calls", True))
         return c.compile_structural_tag(tag)
 

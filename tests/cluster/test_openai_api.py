@@ -178,3 +178,30 @@ def test_body_over_the_limit_is_413(engine):
     assert r.status_code == 413 and r.json()["error"]["code"] == 413
     assert call(small, "POST", "/v1/chat/completions", chat(max_tokens=2)).status_code == 200
     server.engine.shutdown()
+
+
+def test_new_user_findings(app):
+    """Found by a new-user trial: each was a 500, a leak of raw markup, or a refused short prompt."""
+    r = call(app, "POST", "/v1/chat/completions", chat(seed=2**64, max_tokens=2))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+    # A tool call cut by max_tokens is dropped, not returned as "<tool_call>..." content.
+    r = call(app, "POST", "/v1/chat/completions", chat(tools=[WEATHER], tool_choice="required", max_tokens=5))
+    msg = r.json()["choices"][0]
+    assert r.status_code == 200 and msg["finish_reason"] == "length"
+    assert "<tool_call>" not in (msg["message"]["content"] or "") and not msg["message"].get("tool_calls")
+    # A prompt too short for the budget is served at one page per layer; usage says what it got.
+    r = call(app, "POST", "/v1/completions", {"model": MODEL, "prompt": "Pick:", "max_tokens": 4, "kv_budget": 0.5})
+    assert r.status_code == 200 and r.json()["usage"]["kv_budget_ratio_max"] <= 1.0
+    # An unenforceable tool schema is a 400 on "tools".
+    bad = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "array", "uniqueItems": True}}}}}
+    r = call(app, "POST", "/v1/chat/completions", chat(tools=[bad], tool_choice="required"))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    assert "cannot enforce" in r.json()["error"]["message"]
+
+
+def test_unknown_route_and_method_use_the_envelope(app):
+    r = call(app, "GET", "/v1/nope")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = call(app, "GET", "/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == 405

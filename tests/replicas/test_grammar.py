@@ -96,3 +96,41 @@ def test_every_bfcl_ground_truth_passes_schema_and_grammar():
     assert report["calls"] > 1800
     assert report["calls_schema_valid"] >= report["calls"] - 2
     assert report["calls_grammar_accepted"] >= report["calls"] - 8
+
+
+@pytest.mark.parametrize("schema,needle", [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems at $"),
+    ({"type": "array", "contains": {"const": 3}}, "contains at $"),
+    ({"type": "integer", "not": {"const": 0}}, "not at $"),
+    ({"allOf": [{"type": "integer"}, {"minimum": 5}]}, "allOf at $"),
+    ({"type": "object", "properties": {"b": {"type": "string", "pattern": "^a+$", "maxLength": 4}}},
+     "pattern with minLength / maxLength at $.properties.b"),
+    ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "if at $"),
+])
+def test_unenforceable_keywords_are_refused(engine, schema, needle):
+    """xgrammar 0.2.9 compiles these but lets output break them: refused with where they are."""
+    from replicas.errors import GrammarCompileError
+    from replicas.grammar import GrammarSpec, unenforced_keywords
+    assert any(needle in x for x in unenforced_keywords(schema))
+    with pytest.raises(GrammarCompileError, match="cannot enforce"):
+        engine.grammar.compile(GrammarSpec("json_schema", schema))
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": schema}}}}
+    with pytest.raises(GrammarCompileError, match="tool 'f' uses"):
+        engine.grammar.compile(GrammarSpec("tools", {"tools": [tool]}))
+
+
+def test_keywords_inside_values_are_not_schema(engine):
+    from replicas.grammar import unenforced_keywords
+    schema = {"type": "object", "properties": {"not": {"type": "string"}, "k": {"enum": [{"not": 1}]},
+                                               "u": {"type": "array", "uniqueItems": False}}}
+    assert unenforced_keywords(schema) == []
+
+
+def test_strict_schema_allows_no_extra_properties(engine):
+    from replicas.grammar import GrammarSpec
+    schema = {"type": "object", "properties": {"v": {"type": "integer"}}, "required": ["v"]}
+    loose = engine.grammar.matcher(GrammarSpec("json_schema", schema))
+    strict = engine.grammar.matcher(GrammarSpec("json_schema", schema, strict=True))
+    text = '{"v": 1, "w": 2}'
+    assert loose.accept_string(text)
+    assert not strict.accept_string(text)
