@@ -34,7 +34,7 @@ def _compiler(timeout_s: float):
     from models import resolve_checkpoint
     from replicas.grammar import GrammarCompiler
     tok = AutoTokenizer.from_pretrained(resolve_checkpoint())
-    return tok, GrammarCompiler(tok, len(tok), timeout_s=timeout_s)
+    return tok, GrammarCompiler(tok, len(tok), timeout_s=timeout_s, isolate=False)  # each subset runs in its own process
 
 
 def bfcl_coverage(timeout_s: float) -> dict:

@@ -108,7 +108,9 @@ class LLMEngine:
         self.table_versions: dict[str, str] = {}
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (no-op with one rank)."""
+        """Stop the grammar compiler process and the tensor-parallel workers."""
+        if self._grammar is not None:
+            self._grammar.close()
         if self._workers:
             import torch.distributed as dist
             dist.broadcast_object_list([("stop", ())], src=0)

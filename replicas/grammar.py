@@ -97,62 +97,177 @@ def tools_structural_tag(tools: list[dict], tool_choice: Any = "auto", parallel_
                                         parallel_tool_calls=parallel_tool_calls)
 
 
-class GrammarCompiler:
-    """Compiles :class:`GrammarSpec` s for one tokenizer, with a cache and a time bound.
-
-    Args:
-        tokenizer: the Hugging Face tokenizer of the model.
-        vocab_size: the model's logits width (may exceed the tokenizer's size).
-        timeout_s: compilation time bound; past it :class:`GrammarCompileError` is raised.
-    """
-
-    def __init__(self, tokenizer, vocab_size: int, timeout_s: float = 10.0, max_threads: int = 2):
-        import xgrammar as xgr
-        self.xgr = xgr
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads)
-        self.timeout_s = timeout_s
-        self.vocab_size = vocab_size
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
-
-    def _compile(self, spec: GrammarSpec):
-        c, v = self.compiler, spec.value
-        if spec.kind == "json_schema":
-            parsed = v
-            if isinstance(v, str):
-                try:
-                    parsed = json.loads(v)
-                except json.JSONDecodeError as e:
-                    raise GrammarCompileError(f"invalid json_schema grammar: not valid JSON: {e}") from None
-            _refuse_unenforced(parsed, "the schema")
-            return c.compile_json_schema(json.dumps(parsed), any_whitespace=False, strict_mode=spec.strict)
-        if spec.kind == "json_object":
-            return c.compile_builtin_json_grammar()
-        if spec.kind == "regex":
-            return c.compile_regex(v)
-        if spec.kind == "choice":
-            if not v or not all(isinstance(x, str) for x in v):
-                raise GrammarCompileError("choice needs a non-empty list of strings")
-            return c.compile_regex("|".join(re.escape(x) for x in v))
-        if spec.kind == "ebnf":
-            return c.compile_grammar(v)
-        tools = v.get("tools") or []
+def _check(spec: GrammarSpec):
+    """What the compiler refuses before compiling: returns the schema to compile for json_schema."""
+    v = spec.value
+    if spec.kind == "json_schema":
+        parsed = v
+        if isinstance(v, str):
+            try:
+                parsed = json.loads(v)
+            except json.JSONDecodeError as e:
+                raise GrammarCompileError(f"invalid json_schema grammar: not valid JSON: {e}") from None
+        _refuse_unenforced(parsed, "the schema")
+        return parsed
+    if spec.kind == "choice" and (not v or not isinstance(v, list) or not all(isinstance(x, str) for x in v)):
+        raise GrammarCompileError("choice needs a non-empty list of strings")
+    if spec.kind == "tools":
+        tools = (v or {}).get("tools") or []
         if not tools:
             raise GrammarCompileError("a tools grammar needs at least one tool")
         for t in tools:
             fn = t.get("function", {})
             _refuse_unenforced(fn.get("parameters"), f"tool {fn.get('name')!r}")
-        tag = tools_structural_tag(tools, v.get("tool_choice", "auto"), v.get("parallel_tool_calls", True))
-        return c.compile_structural_tag(tag)
+    return None
 
+
+def _compile_with(compiler, spec: GrammarSpec):
+    """Compile a checked ``spec`` with an ``xgrammar.GrammarCompiler``."""
+    v = spec.value
+    if spec.kind == "json_schema":
+        return compiler.compile_json_schema(json.dumps(_check(spec)), any_whitespace=False, strict_mode=spec.strict)
+    if spec.kind == "json_object":
+        return compiler.compile_builtin_json_grammar()
+    if spec.kind == "regex":
+        return compiler.compile_regex(v)
+    if spec.kind == "choice":
+        return compiler.compile_regex("|".join(re.escape(x) for x in v))
+    if spec.kind == "ebnf":
+        return compiler.compile_grammar(v)
+    tag = tools_structural_tag(v["tools"], v.get("tool_choice", "auto"), v.get("parallel_tool_calls", True))
+    return compiler.compile_structural_tag(tag)
+
+
+def _compile_worker(info_json: str, memory_bytes: int, conn) -> None:
+    """The compiler process: compile specs from ``conn`` and send back serialized grammars."""
+    import resource
+
+    import xgrammar as xgr
+    try:  # an address-space cap: a grammar that explodes in memory fails here, not in the replica
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    except (ValueError, OSError):
+        pass
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(info_json), max_threads=1)
+    while True:
+        try:
+            spec = conn.recv()
+        except EOFError:
+            return
+        try:
+            conn.send(("ok", _compile_with(compiler, spec).serialize_json()))
+        except MemoryError:
+            conn.send(("error", "ran out of the compiler's memory bound"))
+        except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own types
+            conn.send(("error", str(e)))
+
+
+class GrammarCompiler:
+    """Compiles :class:`GrammarSpec` s for one tokenizer, in a child process, with a cache.
+
+    Compilation runs in a separate process (``isolate=True``) that is killed and replaced when it
+    passes ``timeout_s``, dies or runs out of ``memory_bytes``: a schema that crashes, hangs or
+    explodes the compiler costs its request a :class:`GrammarCompileError`, never the replica. The
+    compiled grammar comes back serialized (xgrammar's JSON form). Compiled grammars are cached
+    by spec, least recently used first out, within ``cache_bytes`` (xgrammar's
+    ``memory_size_bytes``).
+
+    Args:
+        tokenizer: the Hugging Face tokenizer of the model.
+        vocab_size: the model's logits width (may exceed the tokenizer's size).
+        timeout_s: compilation time bound; past it :class:`GrammarCompileError` is raised.
+        isolate: compile in the child process (False: in a thread of this process, where a hung
+            compilation cannot be stopped; for tools that compile many grammars in one process).
+        memory_bytes: address-space cap of the compiler process.
+        cache_bytes: bound of the compiled-grammar cache.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, timeout_s: float = 10.0, max_threads: int = 2,
+                 isolate: bool = True, memory_bytes: int = 8 << 30, cache_bytes: int = 256 << 20):
+        import collections
+        import threading
+
+        import xgrammar as xgr
+        self.xgr = xgr
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.timeout_s, self.vocab_size, self.isolate = timeout_s, vocab_size, isolate
+        self.memory_bytes, self.cache_bytes = memory_bytes, cache_bytes
+        self._cache: collections.OrderedDict = collections.OrderedDict()
+        self._cached_bytes = 0
+        self._lock = threading.Lock()
+        self._proc = self._conn = None
+        if not isolate:
+            self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads)
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+
+    # ------------------------------------------------------------------ the compiler process
+    def _start(self) -> None:
+        import multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_compile_worker, args=(self.info.serialize_json(), self.memory_bytes, child),
+                                 daemon=True, name="grammar-compiler")
+        self._proc.start()
+        child.close()
+
+    def _stop(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.join(timeout=5)
+        self._proc = self._conn = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop()
+
+    def _compile_isolated(self, spec: GrammarSpec):
+        started = self._proc is None or not self._proc.is_alive()
+        if started:
+            self._start()
+        self._conn.send(spec)
+        # A fresh process first imports xgrammar: that wait is not the grammar's.
+        if not self._conn.poll(self.timeout_s + (60 if started else 0)):
+            self._stop()
+            raise GrammarCompileError(f"{spec.kind} grammar did not compile within {self.timeout_s:g} s")
+        try:
+            status, payload = self._conn.recv()
+        except (EOFError, OSError):
+            self._stop()
+            raise GrammarCompileError(f"the grammar compiler died on this {spec.kind} grammar") from None
+        if status != "ok":
+            raise GrammarCompileError(f"invalid {spec.kind} grammar: {payload}")
+        return self.xgr.CompiledGrammar.deserialize_json(payload, self.info)
+
+    # ------------------------------------------------------------------ compile + cache
     def compile(self, spec: GrammarSpec):
         """Compile (or fetch from the cache) ``spec``.
 
         Raises:
-            GrammarCompileError: xgrammar refused the grammar (its message is included), or
-                compilation took longer than ``timeout_s``.
+            GrammarCompileError: refused before compiling (keywords the grammar cannot enforce,
+                malformed input), xgrammar refused it (its message is included), or compilation
+                passed ``timeout_s``, died or ran out of memory.
         """
-        future = self._pool.submit(self._compile, spec)
+        key = spec.key()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+            _check(spec)
+            if self.isolate:
+                compiled = self._compile_isolated(spec)
+            else:
+                compiled = self._compile_in_thread(spec)
+            size = compiled.memory_size_bytes
+            if size <= self.cache_bytes:
+                self._cache[key] = compiled
+                self._cached_bytes += size
+                while self._cached_bytes > self.cache_bytes:
+                    _, old = self._cache.popitem(last=False)
+                    self._cached_bytes -= old.memory_size_bytes
+            return compiled
+
+    def _compile_in_thread(self, spec: GrammarSpec):
+        future = self._pool.submit(_compile_with, self.compiler, spec)
         try:
             return future.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:

@@ -134,3 +134,45 @@ def test_strict_schema_allows_no_extra_properties(engine):
     text = '{"v": 1, "w": 2}'
     assert loose.accept_string(text)
     assert not strict.accept_string(text)
+
+
+def test_compiler_process_is_replaced_after_a_timeout_or_a_death(engine):
+    """Isolation: a compilation past the time bound, or a compiler that dies mid-compilation, costs
+    that request a GrammarCompileError; the next grammar compiles in a fresh process."""
+    import os
+    import signal
+
+    from replicas.errors import GrammarCompileError
+    from replicas.grammar import GrammarCompiler, GrammarSpec
+    c = GrammarCompiler(engine.tokenizer, engine.model.config.vocab_size, timeout_s=0.5)
+    try:
+        c.compile(GrammarSpec("regex", "a+"))  # the first call may wait for the process to start
+        first = c._proc.pid
+        os.kill(first, signal.SIGSTOP)  # a compiler that hangs
+        with pytest.raises(GrammarCompileError, match="did not compile within"):
+            c.compile(GrammarSpec("json_schema", {"type": "object"}))
+        assert c._proc is None  # killed
+        c.compile(GrammarSpec("regex", "b+"))
+        assert c._proc.pid != first
+        send = c._conn.send
+
+        def send_then_die(spec):  # the compiler dies holding the request, before it answers
+            os.kill(c._proc.pid, signal.SIGSTOP)
+            send(spec)
+            os.kill(c._proc.pid, signal.SIGKILL)
+            c._proc.join()
+        c._conn.send = send_then_die
+        with pytest.raises(GrammarCompileError, match="died"):
+            c.compile(GrammarSpec("regex", "c+"))
+        assert c.compile(GrammarSpec("regex", "d+")) is not None
+    finally:
+        c.close()
+
+
+def test_compiled_grammar_cache_is_bounded(engine):
+    from replicas.grammar import GrammarCompiler, GrammarSpec
+    c = GrammarCompiler(engine.tokenizer, engine.model.config.vocab_size, isolate=False, cache_bytes=20_000)
+    for i in range(30):
+        c.compile(GrammarSpec("regex", f"x{i}[a-z]+"))
+    assert 0 < c._cached_bytes <= 20_000 and len(c._cache) < 30
+    assert c.compile(GrammarSpec("regex", "x29[a-z]+")) is c._cache["regex:" + '"x29[a-z]+"']
