@@ -138,6 +138,11 @@ def _compile_with(compiler, spec: GrammarSpec):
     return compiler.compile_structural_tag(tag)
 
 
+def _clean(message: str) -> str:
+    """xgrammar's message without its log prefix (time, C++ source file and line)."""
+    return " ".join(re.sub(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ", "", message).split())
+
+
 def _compile_worker(info_json: str, memory_bytes: int, conn) -> None:
     """The compiler process: compile specs from ``conn`` and send back serialized grammars."""
     import resource
@@ -234,7 +239,7 @@ class GrammarCompiler:
             self._stop()
             raise GrammarCompileError(f"the grammar compiler died on this {spec.kind} grammar") from None
         if status != "ok":
-            raise GrammarCompileError(f"invalid {spec.kind} grammar: {payload}")
+            raise GrammarCompileError(f"invalid {spec.kind} grammar: {_clean(payload)}")
         return self.xgr.CompiledGrammar.deserialize_json(payload, self.info)
 
     # ------------------------------------------------------------------ compile + cache
@@ -275,7 +280,7 @@ class GrammarCompiler:
         except GrammarCompileError:
             raise
         except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own types
-            raise GrammarCompileError(f"invalid {spec.kind} grammar: {e}") from None
+            raise GrammarCompileError(f"invalid {spec.kind} grammar: {_clean(str(e))}") from None
 
     def matcher(self, spec: GrammarSpec):
         """A fresh ``xgrammar.GrammarMatcher`` for one request."""
