@@ -3,6 +3,7 @@
     serve run serve_config.yaml &          # then:
     python -m bench.serve_sdk bfcl  [--base-url http://127.0.0.1:8000/v1] [--categories simple_python multiple]
     python -m bench.serve_sdk load  [--requests 200] [--concurrency 16] [--budgets 1.0 0.33]
+    python -m bench.serve_sdk schemas [--limit N] [--concurrency 4]
 
 ``bfcl``: every question of the BFCL categories (real function definitions and questions from
 ``../shared/data/bfcl``) sent with ``tools=...``; counts responses that are well-formed tool calls
@@ -10,6 +11,10 @@ whose arguments validate against the tool's JSON Schema, and BFCL accuracy (AST 
 ``load``: a bounded load test on loopback: ``--requests`` chat completions with tools at
 ``--concurrency``, once per KV budget (1.0 = nothing compressed), reporting status codes, p50 / p99
 latency and throughput.
+``schemas``: JSONSchemaBench schemas (``../shared/data/jsonschemabench``, the first ``--limit`` of
+each subset, or all) sent as ``response_format`` json_schema requests (16 tokens); counts 200 / 400
+/ other per subset (other = any 5xx or lost connection: each is a bug) and checks that outputs that
+finished (not cut by the token limit) validate against their schema.
 """
 
 from __future__ import annotations
@@ -116,9 +121,63 @@ def load_run(base_url: str, model: str, requests: int, concurrency: int, budgets
     return rows
 
 
+def schemas_run(base_url: str, model: str, limit: int | None, concurrency: int) -> dict:
+    import gzip
+    from pathlib import Path
+
+    import httpx
+    import jsonschema
+    folder = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench" / "schemas"
+    report = {}
+
+    async def go(schemas):
+        sem, counts = asyncio.Semaphore(concurrency), {"200": 0, "400": 0, "other": 0, "finished": 0,
+                                                       "finished_valid": 0, "other_examples": []}
+        async with httpx.AsyncClient(base_url=base_url, timeout=300) as c:
+            async def one(i, schema):
+                body = {"model": model, "max_tokens": 16, "temperature": 0,
+                        "messages": [{"role": "user", "content": "Answer with a JSON value."}],
+                        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+                async with sem:
+                    try:
+                        r = await c.post("/chat/completions", json=body)
+                        status = r.status_code
+                    except httpx.HTTPError as e:
+                        status, r = f"{type(e).__name__}", None
+                if status == 200:
+                    counts["200"] += 1
+                    choice = r.json()["choices"][0]
+                    if choice["finish_reason"] == "stop":
+                        counts["finished"] += 1
+                        try:
+                            jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+                            counts["finished_valid"] += 1
+                        except Exception:  # noqa: BLE001 - an invalid output or a schema jsonschema rejects
+                            pass
+                elif status == 400:
+                    counts["400"] += 1
+                else:
+                    counts["other"] += 1
+                    counts["other_examples"].append({"index": i, "status": status})
+            await asyncio.gather(*(one(i, sch) for i, sch in enumerate(schemas)))
+        return counts
+
+    for path in sorted(folder.glob("*.jsonl.gz")):
+        with gzip.open(path, "rt") as f:
+            rows = [json.loads(line) for line in f][:limit]
+        schemas = [r.get("json_schema", r.get("schema", r)) for r in rows]
+        schemas = [json.loads(x) if isinstance(x, str) else x for x in schemas]
+        t0 = time.perf_counter()
+        counts = asyncio.run(go(schemas))
+        counts.update(schemas=len(schemas), seconds=round(time.perf_counter() - t0, 1))
+        report[path.name.split(".")[0]] = counts
+        print(path.name.split(".")[0], json.dumps(counts), flush=True)
+    return report
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.serve_sdk", description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("bfcl", "load"))
+    ap.add_argument("what", choices=("bfcl", "load", "schemas"))
     ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     ap.add_argument("--model", default="qwen3-fc-6m")
     ap.add_argument("--categories", nargs="+", default=["simple_python", "multiple"])
@@ -130,6 +189,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.what == "bfcl":
         out = bfcl_run(args.base_url, args.model, args.categories, args.concurrency, args.limit)
+    elif args.what == "schemas":
+        out = schemas_run(args.base_url, args.model, args.limit, args.concurrency)
     else:
         out = load_run(args.base_url, args.model, args.requests, args.concurrency, args.budgets)
     if args.json:
