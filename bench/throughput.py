@@ -51,6 +51,16 @@ def _peak_rss_sampler():
     return peak, stop
 
 
+def _measure(timed, gen: int, repeats: int, stop) -> tuple[float, float]:
+    """Warm up, then median wall times of a 1-token run (TTFT) and a ``gen``-token run; stops the
+    memory sampler."""
+    timed(2)
+    t_first = statistics.median(timed(1) for _ in range(repeats))
+    t_full = statistics.median(timed(gen) for _ in range(repeats))
+    stop.set()
+    return t_first, t_full
+
+
 def _prompts(vocab: int, prompt_len: int, batch: int, seed: int = 0) -> list[list[int]]:
     import random
     rng = random.Random(seed)
@@ -84,10 +94,7 @@ def run_ours(model: str, prompt_len: int, batch: int, gen: int, repeats: int, po
             engine.step()
             kv_peak[0] = max(kv_peak[0], engine.kv.bytes_used)
         return time.perf_counter() - t0
-    timed(2)  # warm-up
-    t_first = statistics.median(timed(1) for _ in range(repeats))
-    t_full = statistics.median(timed(gen) for _ in range(repeats))
-    stop.set()
+    t_first, t_full = _measure(timed, gen, repeats, stop)
     return {"t_first_s": t_first, "t_full_s": t_full, "kv_peak_bytes": kv_peak[0], "rss_peak_bytes": peak[0],
             "gpu_peak_bytes": _gpu_peak()}
 
@@ -114,10 +121,7 @@ def run_hf(model: str, prompt_len: int, batch: int, gen: int, repeats: int, poli
         if device == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - t0
-    timed(2)
-    t_first = statistics.median(timed(1) for _ in range(repeats))
-    t_full = statistics.median(timed(gen) for _ in range(repeats))
-    stop.set()
+    t_first, t_full = _measure(timed, gen, repeats, stop)
     return {"t_first_s": t_first, "t_full_s": t_full, "kv_peak_bytes": None, "rss_peak_bytes": peak[0],
             "gpu_peak_bytes": _gpu_peak()}
 
@@ -137,10 +141,7 @@ def run_vllm(model: str, prompt_len: int, batch: int, gen: int, repeats: int, po
         t0 = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - t0
-    timed(2)
-    t_first = statistics.median(timed(1) for _ in range(repeats))
-    t_full = statistics.median(timed(gen) for _ in range(repeats))
-    stop.set()
+    t_first, t_full = _measure(timed, gen, repeats, stop)
     return {"t_first_s": t_first, "t_full_s": t_full, "kv_peak_bytes": None, "rss_peak_bytes": peak[0],
             "gpu_peak_bytes": None}
 
