@@ -23,6 +23,7 @@ class EngineConfig:
         kv_budget: default total KV budget per request, in (0, 1].
         tensor_parallel_size: ranks the model is split over.
         grammar_timeout_s: time bound of one grammar compilation.
+        grammar_memory_bytes: address-space cap of the grammar compiler process.
         seed: seed of the engine's sampling generator.
     """
     model: str | None = None
@@ -38,6 +39,7 @@ class EngineConfig:
     kv_budget: float = 1.0
     tensor_parallel_size: int = 1
     grammar_timeout_s: float = 10.0
+    grammar_memory_bytes: int = 3 << 30
     seed: int = 0
 
     def __post_init__(self):

@@ -129,7 +129,8 @@ class LLMEngine:
     def grammar(self) -> GrammarCompiler:
         if self._grammar is None:
             self._grammar = GrammarCompiler(self.tokenizer, self.model.config.vocab_size,
-                                            self.config.grammar_timeout_s)
+                                            self.config.grammar_timeout_s,
+                                            memory_bytes=self.config.grammar_memory_bytes)
         return self._grammar
 
     # ------------------------------------------------------------------ requests
