@@ -23,7 +23,7 @@ class EngineConfig:
         kv_budget: default total KV budget per request, in (0, 1].
         tensor_parallel_size: ranks the model is split over.
         grammar_timeout_s: time bound of one grammar compilation.
-        grammar_memory_bytes: address-space cap of the grammar compiler process.
+        grammar_memory_bytes: resident-memory bound of the grammar compiler process.
         seed: seed of the engine's sampling generator.
     """
     model: str | None = None

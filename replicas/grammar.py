@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,15 +144,9 @@ def _clean(message: str) -> str:
     return " ".join(re.sub(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ", "", message).split())
 
 
-def _compile_worker(info_json: str, memory_bytes: int, conn) -> None:
+def _compile_worker(info_json: str, conn) -> None:
     """The compiler process: compile specs from ``conn`` and send back serialized grammars."""
-    import resource
-
     import xgrammar as xgr
-    try:  # an address-space cap: a grammar that explodes in memory fails here, not in the replica
-        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    except (ValueError, OSError):
-        pass
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(info_json), max_threads=1)
     while True:
         try:
@@ -160,8 +155,6 @@ def _compile_worker(info_json: str, memory_bytes: int, conn) -> None:
             return
         try:
             conn.send(("ok", _compile_with(compiler, spec).serialize_json()))
-        except MemoryError:
-            conn.send(("error", "ran out of the compiler's memory bound"))
         except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own types
             conn.send(("error", str(e)))
 
@@ -170,7 +163,7 @@ class GrammarCompiler:
     """Compiles :class:`GrammarSpec` s for one tokenizer, in a child process, with a cache.
 
     Compilation runs in a separate process (``isolate=True``) that is killed and replaced when it
-    passes ``timeout_s``, dies or runs out of ``memory_bytes``: a schema that crashes, hangs or
+    passes ``timeout_s``, dies or holds more than ``memory_bytes`` of resident memory: a schema that crashes, hangs or
     explodes the compiler costs its request a :class:`GrammarCompileError`, never the replica. The
     compiled grammar comes back serialized (xgrammar's JSON form). Compiled grammars are cached
     by spec, least recently used first out, within ``cache_bytes`` (xgrammar's
@@ -182,9 +175,11 @@ class GrammarCompiler:
         timeout_s: compilation time bound; past it :class:`GrammarCompileError` is raised.
         isolate: compile in the child process (False: in a thread of this process, where a hung
             compilation cannot be stopped; for tools that compile many grammars in one process).
-        memory_bytes: address-space cap of the compiler process (3 GiB: importing xgrammar takes
-            about 1.4 GiB of address space; one JSONSchemaBench schema, Github_hard #86, asks for
-            more than 2 GiB and now fails with ``std::bad_alloc`` instead of exhausting the node).
+        memory_bytes: resident-memory bound of the compiler process, watched while it compiles
+            (3 GiB; the process holds about 0.5 GiB after importing xgrammar). Without a bound one
+            JSONSchemaBench schema (Github_hard #86) exhausted a 24 GiB node and Ray killed the
+            replica; an address-space cap instead refused most Github_ultra schemas (thread
+            stacks and allocator arenas count there).
         cache_bytes: bound of the compiled-grammar cache.
     """
 
@@ -211,7 +206,7 @@ class GrammarCompiler:
         import multiprocessing as mp
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_compile_worker, args=(self.info.serialize_json(), self.memory_bytes, child),
+        self._proc = ctx.Process(target=_compile_worker, args=(self.info.serialize_json(), child),
                                  daemon=True, name="grammar-compiler")
         self._proc.start()
         child.close()
@@ -226,22 +221,36 @@ class GrammarCompiler:
         with self._lock:
             self._stop()
 
+    def _rss(self) -> int:
+        """Resident memory of the compiler process, bytes (0 if it cannot be read)."""
+        import psutil
+        try:
+            return psutil.Process(self._proc.pid).memory_info().rss
+        except (psutil.Error, AttributeError):
+            return 0
+
     def _compile_isolated(self, spec: GrammarSpec):
         started = self._proc is None or not self._proc.is_alive()
         if started:
             self._start()
         self._conn.send(spec)
         # A fresh process first imports xgrammar: that wait is not the grammar's.
-        if not self._conn.poll(self.timeout_s + (60 if started else 0)):
-            self._stop()
-            raise GrammarCompileError(f"{spec.kind} grammar did not compile within {self.timeout_s:g} s")
+        deadline = time.monotonic() + self.timeout_s + (60 if started else 0)
+        while not self._conn.poll(0.05):
+            if time.monotonic() > deadline:
+                self._stop()
+                raise GrammarCompileError(f"{spec.kind} grammar did not compile within {self.timeout_s:g} s")
+            if self._rss() > self.memory_bytes:
+                self._stop()
+                raise GrammarCompileError(f"{spec.kind} grammar needs more than the compiler's "
+                                          f"{self.memory_bytes / 2**30:g} GiB of memory")
         try:
             status, payload = self._conn.recv()
         except (EOFError, OSError):
             self._stop()
             raise GrammarCompileError(f"the grammar compiler died on this {spec.kind} grammar") from None
         if status != "ok":
-            if "bad_alloc" in payload or "memory bound" in payload:
+            if "bad_alloc" in payload:
                 self._stop()  # hand the memory back: the next grammar gets a fresh process
             raise GrammarCompileError(f"invalid {spec.kind} grammar: {_clean(payload)}")
         return self.xgr.CompiledGrammar.deserialize_json(payload, self.info)
