@@ -95,11 +95,13 @@ class APIMetrics:
         self.m["ratio"].observe(m.kv_ratio_max, self.tags)
         self.m["kv_bytes"].set(m.kv_bytes_peak, self.tags)
 
-    def error(self, status: int, grammar: bool = False) -> None:
-        if self.m is None:
-            return
-        self.m["errors"].inc(1, {**self.tags, "status": str(status)})
-        if grammar:
+    def error(self, status: int) -> None:
+        """Any request answered with an error (called by the app's error handlers)."""
+        if self.m is not None:
+            self.m["errors"].inc(1, {**self.tags, "status": str(status)})
+
+    def grammar_failure(self) -> None:
+        if self.m is not None:
             self.m["grammar"].inc(1, self.tags)
 
 
@@ -233,7 +235,6 @@ class OpenAIServer:
     async def run(self, ids, params, grammar, kv_budget, grammar_param: str = "response_format"
                   ) -> AsyncIterator[RequestOutput]:
         if self.pending >= self.max_pending:
-            self.metrics.error(429)
             raise APIError(429, "the replica's queue is full; retry later", "rate_limit_error",
                            headers={"Retry-After": "1"})
         self.pending += 1
@@ -243,14 +244,12 @@ class OpenAIServer:
                     self.metrics.finished(out)
                 yield out
         except GrammarCompileError as e:
-            self.metrics.error(400, grammar=True)
+            self.metrics.grammar_failure()
             raise APIError(400, str(e), param="tools" if grammar is not None and grammar.kind == "tools"
                            else grammar_param) from None
         except InvalidRequestError as e:
-            self.metrics.error(400)
             raise APIError(400, str(e)) from None
         except EngineDeadError as e:
-            self.metrics.error(503)
             raise APIError(503, str(e), "service_unavailable", headers={"Retry-After": "1"}) from None
         finally:
             self.pending -= 1
@@ -321,17 +320,20 @@ def build_app(server: OpenAIServer) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
+        server.metrics.error(exc.status)
         return error_response(exc.status, exc.message, exc.type, exc.param, exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         """Unknown routes (404), wrong methods (405) and the like, in the same envelope."""
+        server.metrics.error(exc.status_code)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind,
                               None, getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
+        server.metrics.error(400)
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         return error_response(400, f"invalid request body at {where or 'body'}: {first.get('msg', 'malformed')}",
@@ -350,6 +352,7 @@ def build_app(server: OpenAIServer) -> FastAPI:
             else:
                 too_big = len(await request.body()) > max_body
             if too_big:
+                server.metrics.error(413)
                 return error_response(413, f"request body over the limit of {max_body} bytes",
                                       "invalid_request_error")
         return await call_next(request)
@@ -362,6 +365,7 @@ def build_app(server: OpenAIServer) -> FastAPI:
             if request.url.path.startswith("/v1"):
                 given = request.headers.get("authorization", "").encode()
                 if not hmac.compare_digest(given, expected):
+                    server.metrics.error(401)
                     return error_response(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                                           "authentication_error", None, {"WWW-Authenticate": "Bearer"})
             return await call_next(request)

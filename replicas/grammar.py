@@ -98,8 +98,9 @@ def tools_structural_tag(tools: list[dict], tool_choice: Any = "auto", parallel_
                                         parallel_tool_calls=parallel_tool_calls)
 
 
-def _check(spec: GrammarSpec):
-    """What the compiler refuses before compiling: returns the schema to compile for json_schema."""
+def _check(spec: GrammarSpec) -> GrammarSpec:
+    """What the compiler refuses before compiling. Returns the spec to compile (a json_schema
+    given as text comes back parsed, so the compiler process does not parse and check it again)."""
     v = spec.value
     if spec.kind == "json_schema":
         parsed = v
@@ -109,7 +110,7 @@ def _check(spec: GrammarSpec):
             except json.JSONDecodeError as e:
                 raise GrammarCompileError(f"invalid json_schema grammar: not valid JSON: {e}") from None
         _refuse_unenforced(parsed, "the schema")
-        return parsed
+        return GrammarSpec("json_schema", parsed, spec.strict)
     if spec.kind == "choice" and (not v or not isinstance(v, list) or not all(isinstance(x, str) for x in v)):
         raise GrammarCompileError("choice needs a non-empty list of strings")
     if spec.kind == "tools":
@@ -119,14 +120,14 @@ def _check(spec: GrammarSpec):
         for t in tools:
             fn = t.get("function", {})
             _refuse_unenforced(fn.get("parameters"), f"tool {fn.get('name')!r}")
-    return None
+    return spec
 
 
 def _compile_with(compiler, spec: GrammarSpec):
-    """Compile a checked ``spec`` with an ``xgrammar.GrammarCompiler``."""
+    """Compile a spec :func:`_check` returned, with an ``xgrammar.GrammarCompiler``."""
     v = spec.value
     if spec.kind == "json_schema":
-        return compiler.compile_json_schema(json.dumps(_check(spec)), any_whitespace=False, strict_mode=spec.strict)
+        return compiler.compile_json_schema(json.dumps(v), any_whitespace=False, strict_mode=spec.strict)
     if spec.kind == "json_object":
         return compiler.compile_builtin_json_grammar()
     if spec.kind == "regex":
@@ -249,9 +250,11 @@ class GrammarCompiler:
         except (EOFError, OSError):
             self._stop()
             raise GrammarCompileError(f"the grammar compiler died on this {spec.kind} grammar") from None
+        if (status != "ok" and "bad_alloc" in payload) or self._rss() > self.memory_bytes // 2:
+            # The process keeps what it grew to: a fresh one, so that the next grammar is not
+            # refused for memory a previous one took.
+            self._stop()
         if status != "ok":
-            if "bad_alloc" in payload:
-                self._stop()  # hand the memory back: the next grammar gets a fresh process
             raise GrammarCompileError(f"invalid {spec.kind} grammar: {_clean(payload)}")
         return self.xgr.CompiledGrammar.deserialize_json(payload, self.info)
 
@@ -270,7 +273,7 @@ class GrammarCompiler:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-            _check(spec)
+            spec = _check(spec)
             if self.isolate:
                 compiled = self._compile_isolated(spec)
             else:
