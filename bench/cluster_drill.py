@@ -118,7 +118,7 @@ def num_replicas() -> int:
     import yaml
     try:
         st = yaml.safe_load(out)
-        dep = st["applications"]["structkv"]["deployments"]["OpenAIDeployment"]
+        dep = st["applications"]["structkv"]["deployments"]["LLMServer"]
         return int(dep["replica_states"].get("RUNNING", 0))
     except Exception:
         return -1

@@ -1,7 +1,12 @@
 """Ray Serve application: ``import_path: cluster.app:build_app`` in serve_config.yaml.
 
-Each replica hosts one engine (:class:`replicas.async_engine.AsyncLLMEngine`) and serves the
-OpenAI-compatible API of :mod:`cluster.openai_api` on it.
+Two deployments, as Ray Serve LLM splits them: ``OpenAIIngress`` serves the HTTP API of
+:mod:`cluster.openai_api` (auth, body limits, error envelope) and forwards each request through a
+deployment handle to ``LLMServer``, whose replicas each host one engine
+(:class:`replicas.async_engine.AsyncLLMEngine`) and turn requests into responses. A replica that dies
+with requests in flight costs those requests a 503 with Retry-After (or a final SSE error event once
+a stream has started), not a 500 from the proxy; a request that got nothing yet is retried once on
+another replica.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ class AppArgs(BaseModel):
     kv_cache_bytes: int = Field(512 << 20, gt=0, description="KV pool per replica (per rank), bytes.")
     max_num_seqs: int = Field(16, ge=1)
     max_pending: int = Field(256, ge=1, description="In-flight requests per replica before 429.")
+    replica_retries: int = Field(1, ge=0, le=5, description="Times a request that received nothing yet is "
+                                 "sent to another replica after its replica died.")
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(1, gt=0, description="CPUs reserved per replica (per tensor-parallel rank).")
     num_gpus: float = Field(0, ge=0, description="GPUs per tensor-parallel rank (0: CPU engine).")
@@ -58,8 +65,10 @@ def resolve_model(model: str | None) -> Path:
 
 
 @serve.deployment(health_check_period_s=10, health_check_timeout_s=60)
-@serve.ingress()
-class OpenAIDeployment:
+class LLMServer:
+    """One engine replica: ``chat`` / ``completion`` stream a response (see
+    :meth:`cluster.openai_api.OpenAIServer.chat`); ``check_health`` goes through the engine loop."""
+
     def __init__(self, args: dict):
         from cluster.openai_api import OpenAIServer
         from replicas.async_engine import AsyncLLMEngine
@@ -72,7 +81,7 @@ class OpenAIDeployment:
         self.engine = engine
         from cluster.protocol import Limits
         self.server = OpenAIServer(engine, a.served_model_name or Path(a.model).name, a.max_pending,
-                                   resolve_api_key(a), Limits(**a.limits))
+                                   None, Limits(**a.limits))
         self.agent = None
         if a.budget_controller:
             from cluster.agent import ReplicaAgent
@@ -86,6 +95,27 @@ class OpenAIDeployment:
                                       get_registry(a.table_store) if kind else None, kind,
                                       a.control_period_s).start()
 
+    async def chat(self, req):
+        async for item in self.server.chat(req):
+            yield item
+
+    async def completion(self, req):
+        async for item in self.server.completion(req):
+            yield item
+
+    async def health(self) -> None:
+        await self.server.health()
+
+    async def check_health(self) -> None:
+        """Ray Serve's health check: fails when the engine loop is dead or stuck in a step for 30 s."""
+        await self.engine.ping(30.0)
+
+    def stats(self) -> dict:
+        """The engine's counters (``LLMEngine.stats``) with this replica's id and process id."""
+        import os
+        return {"replica": serve.get_replica_context().replica_id.unique_id, "pid": os.getpid(),
+                **self.engine.call(lambda e: e.stats())}
+
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Per-replica metrics for ``autoscale.policy.kv_pressure_policy``."""
         s = self.engine.call(lambda e: e.stats())
@@ -96,9 +126,87 @@ class OpenAIDeployment:
         if getattr(self, "agent", None) is not None:
             self.agent.stop()
 
+
+class EngineClient:
+    """The frontend of :func:`cluster.openai_api.build_app` in the ingress: forwards each request
+    to an ``LLMServer`` replica through a deployment handle.
+
+    A replica that dies (``RayActorError``, Serve's ``ReplicaUnavailableError``) before anything of
+    the response came back: the request goes to another replica, at most ``retries`` times, then
+    503 with Retry-After. After a stream has started: a final SSE error event (code 503).
+    """
+
+    RETRY_AFTER_S = 2
+
+    def __init__(self, handle, model_name: str, limits, api_key: str | None, retries: int = 1):
+        from cluster.openai_api import APIMetrics
+        self.handle, self.model_name, self.limits, self.api_key = handle, model_name, limits, api_key
+        self.retries, self.metrics = retries, APIMetrics(model_name)
+
+    async def open(self, kind: str, req):
+        import asyncio
+        import json
+
+        from ray.exceptions import RayActorError, RayTaskError
+        from ray.serve.exceptions import ReplicaUnavailableError
+
+        from cluster.openai_api import APIError
+        for attempt in range(self.retries + 1):
+            gen = self.handle.options(stream=True, method_name=kind).remote(req)
+            started = done = False
+            try:
+                async for item in gen:
+                    started = True
+                    yield item
+                done = True
+                return
+            except RayTaskError as e:  # raised in the replica: an APIError crosses whole
+                cause = getattr(e, "cause", None)
+                if isinstance(cause, APIError):
+                    raise cause from None
+                raise
+            except (RayActorError, ReplicaUnavailableError) as e:
+                done = True
+                lost = f"the replica serving this request failed ({type(e).__name__}); retry"
+                if started:  # a stream was cut: end it with an error event the client can see
+                    yield "data: " + json.dumps({"error": {"message": lost, "type": "service_unavailable",
+                                                           "param": None, "code": 503}}) + "\n\n"
+                    return
+                if attempt == self.retries:
+                    raise APIError(503, lost, "service_unavailable",
+                                   headers={"Retry-After": str(self.RETRY_AFTER_S)}) from None
+                await asyncio.sleep(0.5 * (attempt + 1))
+            finally:
+                if not done:  # the client went away (or the consumer stopped): stop the replica's work
+                    gen.cancel()
+
+    async def health(self) -> None:
+        import asyncio
+
+        from cluster.openai_api import APIError
+        try:
+            await asyncio.wait_for(self.handle.health.remote(), 60)
+        except APIError:
+            raise
+        except Exception as e:  # the handle's own failures: no live replica, a timeout
+            raise APIError(503, f"no healthy engine replica: {type(e).__name__}: {e}", "service_unavailable",
+                           headers={"Retry-After": "5"}) from None
+
+
+@serve.deployment(max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
+@serve.ingress()
+class OpenAIIngress:
+    """The HTTP entry point: the OpenAI API, auth and limits; engine work goes to ``LLMServer``."""
+
+    def __init__(self, args: dict, llm_server):
+        from cluster.protocol import Limits
+        a = AppArgs(**args)
+        self.client = EngineClient(llm_server, a.served_model_name or Path(a.model).name, Limits(**a.limits),
+                                   resolve_api_key(a), a.replica_retries)
+
     def __serve_build_asgi_app__(self):
         from cluster.openai_api import build_app as build_fastapi
-        return build_fastapi(self.server)
+        return build_fastapi(self.client)
 
 
 def resolve_api_key(a: AppArgs) -> str | None:
@@ -142,7 +250,8 @@ def build_app(args: dict):
                                          **a.autoscaling_config}
     else:
         options["num_replicas"] = a.num_replicas
-    return OpenAIDeployment.options(**options).bind(a.model_dump())
+    options["max_ongoing_requests"] = a.max_pending
+    return OpenAIIngress.bind(a.model_dump(), LLMServer.options(**options).bind(a.model_dump()))
 
 
 def replica_options(a: AppArgs) -> dict:

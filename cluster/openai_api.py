@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API over an :class:`AsyncLLMEngine` (FastAPI).
 
-``build_app(server)`` returns the FastAPI app; the Ray Serve deployment in :mod:`cluster.app`
-mounts it with ``@serve.ingress``, and tests use it in-process. Routes: ``POST /v1/chat/completions``,
+``build_app(server)`` returns the FastAPI app; the ingress deployment in :mod:`cluster.app` mounts
+it over a client of the engine replicas, and tests use it in-process over an :class:`OpenAIServer`. Routes: ``POST /v1/chat/completions``,
 ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``. Errors use the OpenAI envelope
 ``{"error": {"message", "type", "param", "code"}}``. With an API key set, every ``/v1`` route needs
 ``Authorization: Bearer <key>`` (401 otherwise), as vLLM's ``--api-key``; ``/health`` stays open.
@@ -34,6 +34,9 @@ class APIError(Exception):
                  param: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
+
+    def __reduce__(self):  # crosses process boundaries whole (Ray Serve: replica -> ingress)
+        return (type(self), (self.status, self.message, self.type, self.param, self.headers))
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None,
@@ -163,7 +166,7 @@ class OpenAIServer:
                                 f"{self.limits.max_stop_chars} characters", param="stop")
         try:
             return SamplingParams(max_tokens=max_tokens or min(room, 1024), temperature=req.temperature,
-                                  top_p=req.top_p, seed=req.seed, stop=stop)
+                                  top_p=req.top_p, seed=req.seed, stop=stop, ignore_eos=req.ignore_eos)
         except InvalidRequestError as e:
             raise APIError(400, str(e)) from None
 
@@ -254,6 +257,59 @@ class OpenAIServer:
         finally:
             self.pending -= 1
 
+    # ------------------------------------------------------------------ responses
+    async def chat(self, req: ChatCompletionRequest) -> AsyncIterator[dict | str]:
+        """Answer one chat completion: yields the response body (one dict), or with ``stream`` the
+        server-sent events (str, ``data: ...\\n\\n``) up to ``data: [DONE]``.
+
+        Raises:
+            APIError: before the first item, for anything the request got wrong (4xx) or a full
+                queue (429) or a failed engine (503); later failures end the stream with an error event.
+        """
+        ids, params, grammar, parse_tools = self.chat_request(req)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", now()
+        stream = self.run(ids, params, grammar, req.kv_budget)
+        first = await _first(stream)
+        if req.stream:
+            async for event in _chat_stream(self, rid, created, req.model, first, stream, parse_tools):
+                yield event
+            return
+        out = first
+        async for out in stream:
+            pass
+        message, has_calls = _message(out, parse_tools)
+        yield {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
+               "choices": [{"index": 0, "message": message, "finish_reason": _finish_reason(out, has_calls),
+                            "logprobs": None}], "usage": self.usage(out)}
+
+    async def completion(self, req: CompletionRequest) -> AsyncIterator[dict | str]:
+        """Answer one text completion, as :meth:`chat` does."""
+        ids, params, grammar = self.completion_request(req)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", now()
+        stream = self.run(ids, params, grammar, req.kv_budget, "structured_outputs")
+        first = await _first(stream)
+        if req.stream:
+            async for event in _completion_stream(self, rid, created, req.model, first, stream):
+                yield event
+            return
+        out = first
+        async for out in stream:
+            pass
+        yield {"id": rid, "object": "text_completion", "created": created, "model": req.model,
+               "choices": [{"index": 0, "text": out.text, "finish_reason": _finish_reason(out, False),
+                            "logprobs": None}], "usage": self.usage(out)}
+
+    def open(self, kind: str, req) -> AsyncIterator[dict | str]:
+        """The frontend interface of :func:`build_app`: ``kind`` is ``chat`` or ``completion``."""
+        return self.chat(req) if kind == "chat" else self.completion(req)
+
+    async def health(self) -> None:
+        """Raises APIError(503) unless the engine loop comes round within 30 s."""
+        try:
+            await self.engine.ping(30.0)
+        except EngineDeadError as e:
+            raise APIError(503, str(e), "service_unavailable", headers={"Retry-After": "5"}) from None
+
     def usage(self, out: RequestOutput) -> dict:
         m = out.metrics
         return Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=len(out.token_ids),
@@ -315,7 +371,13 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def build_app(server: OpenAIServer) -> FastAPI:
+def build_app(server) -> FastAPI:
+    """The FastAPI app over a frontend: an :class:`OpenAIServer` in the same process (tests, one
+    process), or ``cluster.app.EngineClient`` that reaches the engine replicas through a Ray Serve
+    handle. A frontend has ``model_name``, ``limits``, ``api_key``, ``metrics``, ``open(kind, req)``
+    (``kind`` chat or completion: an async iterator of one response dict or of SSE strings, raising
+    :class:`APIError` before its first item) and ``async health()``.
+    """
     app = FastAPI(title="structkv", description="OpenAI-compatible structured generation with a compressed KV cache")
 
     @app.exception_handler(APIError)
@@ -372,6 +434,8 @@ def build_app(server: OpenAIServer) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        """200 once the engine loop comes round between steps (vLLM's /health); 503 otherwise."""
+        await server.health()
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -379,38 +443,21 @@ def build_app(server: OpenAIServer) -> FastAPI:
         return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": now(),
                                             "owned_by": "structkv"}]}
 
+    async def respond(kind: str, req):
+        items = server.open(kind, req)
+        first = await items.__anext__()  # request errors surface here, before a response starts
+        if isinstance(first, dict):
+            await items.aclose()
+            return first
+        return StreamingResponse(_outputs(first, items), media_type="text/event-stream")
+
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest):
-        ids, params, grammar, parse_tools = server.chat_request(req)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", now()
-        stream = server.run(ids, params, grammar, req.kv_budget)
-        first = await _first(stream)
-        if req.stream:
-            return StreamingResponse(_chat_stream(server, rid, created, req.model, first, stream, parse_tools),
-                                     media_type="text/event-stream")
-        out = first
-        async for out in stream:
-            pass
-        message, has_calls = _message(out, parse_tools)
-        return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
-                "choices": [{"index": 0, "message": message, "finish_reason": _finish_reason(out, has_calls),
-                             "logprobs": None}], "usage": server.usage(out)}
+        return await respond("chat", req)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
-        ids, params, grammar = server.completion_request(req)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", now()
-        stream = server.run(ids, params, grammar, req.kv_budget, "structured_outputs")
-        first = await _first(stream)
-        if req.stream:
-            return StreamingResponse(_completion_stream(server, rid, created, req.model, first, stream),
-                                     media_type="text/event-stream")
-        out = first
-        async for out in stream:
-            pass
-        return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
-                "choices": [{"index": 0, "text": out.text, "finish_reason": _finish_reason(out, False),
-                             "logprobs": None}], "usage": server.usage(out)}
+        return await respond("completion", req)
 
     return app
 

@@ -106,6 +106,7 @@ class SamplingFields(_Body):
     stop: str | list[str] | None = None
     n: Literal[1] = Field(1, description="Only one choice per request is supported.")
     stream: bool = False
+    ignore_eos: bool = Field(False, description="Extension (as vLLM's): keep generating past EOS (benchmarks).")
     kv_budget: float | None = Field(None, gt=0.0, le=1.0,
                                     description="Extension: total KV budget of this request (fraction of full KV).")
 

@@ -32,6 +32,7 @@ class AsyncLLMEngine:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
         self._ids = itertools.count()
+        self._probes: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -74,6 +75,24 @@ class AsyncLLMEngine:
         with self._lock:
             return fn(self.engine)
 
+    async def ping(self, timeout_s: float = 30.0) -> None:
+        """Wait until the engine loop thread comes round between two steps: a health check that
+        goes through the loop, so a loop stuck in a step (or dead) fails it.
+
+        Raises:
+            EngineDeadError: the loop thread is not running, or did not come round in ``timeout_s``.
+        """
+        if self._stopped or not self._thread.is_alive():
+            raise EngineDeadError("the engine loop is not running")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._probes.append((loop, fut))
+        self._wake.set()
+        try:
+            await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            raise EngineDeadError(f"the engine loop did not come round between steps in {timeout_s:g} s") from None
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._queues.pop(request_id, None)
@@ -88,8 +107,17 @@ class AsyncLLMEngine:
             self._queues.pop(request_id, None)
         loop.call_soon_threadsafe(queue.put_nowait, item)
 
+    def _answer_probes(self) -> None:
+        while self._probes:
+            loop, fut = self._probes.pop()
+            try:
+                loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
+            except RuntimeError:  # the caller's event loop has closed: nobody waits any more
+                pass
+
     def _loop(self) -> None:
         while not self._stopped:
+            self._answer_probes()
             if not self.engine.has_unfinished():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()

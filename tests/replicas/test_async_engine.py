@@ -52,3 +52,50 @@ def test_bad_request_raises_before_streaming(async_engine):
             pass
     with pytest.raises(InvalidRequestError, match="prompt is empty"):
         asyncio.run(main())
+
+
+def test_ping_goes_through_the_engine_loop(async_engine, chat_prompts):
+    """The health probe is answered between steps; a loop held inside a step fails it; a stopped
+    loop fails it at once."""
+    import threading
+
+    from replicas.async_engine import EngineDeadError
+
+    async def ping_while_generating():
+        params = SamplingParams(max_tokens=16, ignore_eos=True)
+        gen = async_engine.generate(chat_prompts[0], params)
+        await gen.__anext__()
+        await async_engine.ping(10)  # answered while a request is running
+        async for _ in gen:
+            pass
+    asyncio.run(ping_while_generating())
+
+    held, release = threading.Event(), threading.Event()
+    step = async_engine.engine.step
+
+    def stuck_step():
+        held.set()
+        release.wait(30)
+        return step()
+    async_engine.engine.step = stuck_step
+
+    async def ping_stuck():
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        gen = async_engine.generate(chat_prompts[0], params)
+        task = asyncio.ensure_future(gen.__anext__())
+        while not held.is_set():
+            await asyncio.sleep(0.01)
+        with pytest.raises(EngineDeadError, match="did not come round"):
+            await async_engine.ping(0.3)
+        release.set()
+        await task
+        async for _ in gen:
+            pass
+    try:
+        asyncio.run(ping_stuck())
+    finally:
+        async_engine.engine.step = step
+        release.set()
+    async_engine.shutdown()
+    with pytest.raises(EngineDeadError, match="not running"):
+        asyncio.run(async_engine.ping(1))
