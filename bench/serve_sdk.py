@@ -3,7 +3,7 @@
     serve run serve_config.yaml &          # then:
     python -m bench.serve_sdk bfcl  [--base-url http://127.0.0.1:8000/v1] [--categories simple_python multiple]
     python -m bench.serve_sdk load  [--requests 200] [--concurrency 16] [--budgets 1.0 0.33]
-    python -m bench.serve_sdk schemas [--limit N] [--concurrency 4]
+    python -m bench.serve_sdk schemas [--limit N] [--concurrency 4] [--progress FILE] [--subsets ...]
 
 ``bfcl``: every question of the BFCL categories (real function definitions and questions from
 ``../shared/data/bfcl``) sent with ``tools=...``; counts responses that are well-formed tool calls
@@ -14,7 +14,9 @@ latency and throughput.
 ``schemas``: JSONSchemaBench schemas (``../shared/data/jsonschemabench``, the first ``--limit`` of
 each subset, or all) sent as ``response_format`` json_schema requests (16 tokens); counts 200 / 400
 / other per subset (other = any 5xx or lost connection: each is a bug) and checks that outputs that
-finished (not cut by the token limit) validate against their schema.
+finished (not cut by the token limit) validate against their schema. ``--progress FILE`` keeps one
+line per schema and resumes; the engine replicas' process ids are logged after each subset (a
+change means a replica died).
 """
 
 from __future__ import annotations
@@ -121,58 +123,111 @@ def load_run(base_url: str, model: str, requests: int, concurrency: int, budgets
     return rows
 
 
-def schemas_run(base_url: str, model: str, limit: int | None, concurrency: int) -> dict:
+def _replica_pids() -> list[int]:
+    """Engine replica processes on this machine (Ray sets their title): a changed set during the
+    run means a replica died and was replaced."""
+    try:
+        import psutil
+    except ImportError:
+        return []
+    return sorted(p.pid for p in psutil.process_iter(["cmdline"])
+                  if any(":LLMServer" in a for a in (p.info["cmdline"] or [])))
+
+
+def schemas_run(base_url: str, model: str, limit: int | None, concurrency: int, progress: str | None = None,
+                subsets: list[str] | None = None) -> dict:
+    """JSONSchemaBench schemas as response_format requests. With ``progress`` (a JSONL file), one
+    line per schema is appended as it finishes and a rerun skips the schemas already there (resume)."""
     import gzip
     from pathlib import Path
 
     import httpx
     import jsonschema
     folder = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench" / "schemas"
-    report = {}
+    done: dict[tuple[str, int], dict] = {}
+    if progress and Path(progress).exists():
+        for line in Path(progress).read_text().splitlines():
+            rec = json.loads(line)
+            if "index" in rec:
+                done[(rec["subset"], rec["index"])] = rec
+    log = open(progress, "a") if progress else None
 
-    async def go(schemas):
-        sem, counts = asyncio.Semaphore(concurrency), {"200": 0, "400": 0, "other": 0, "finished": 0,
-                                                       "finished_valid": 0, "other_examples": []}
-        async with httpx.AsyncClient(base_url=base_url, timeout=300) as c:
+    async def go(subset, schemas):
+        sem = asyncio.Semaphore(concurrency)
+        async with httpx.AsyncClient(base_url=base_url, timeout=600) as c:
             async def one(i, schema):
+                if (subset, i) in done:
+                    return
                 body = {"model": model, "max_tokens": 16, "temperature": 0,
                         "messages": [{"role": "user", "content": "Answer with a JSON value."}],
                         "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+                rec = {"subset": subset, "index": i}
                 async with sem:
+                    t = time.perf_counter()
                     try:
                         r = await c.post("/chat/completions", json=body)
-                        status = r.status_code
+                        rec["status"] = r.status_code
                     except httpx.HTTPError as e:
-                        status, r = f"{type(e).__name__}", None
-                if status == 200:
-                    counts["200"] += 1
+                        rec["status"], r = f"{type(e).__name__}", None
+                    rec["seconds"] = round(time.perf_counter() - t, 2)
+                if rec["status"] == 200:
                     choice = r.json()["choices"][0]
-                    if choice["finish_reason"] == "stop":
-                        counts["finished"] += 1
+                    rec["finished"] = choice["finish_reason"] == "stop"
+                    if rec["finished"]:
                         try:
                             jsonschema.validate(json.loads(choice["message"]["content"]), schema)
-                            counts["finished_valid"] += 1
+                            rec["valid"] = True
                         except Exception:  # noqa: BLE001 - an invalid output or a schema jsonschema rejects
-                            pass
-                elif status == 400:
-                    counts["400"] += 1
-                else:
-                    counts["other"] += 1
-                    counts["other_examples"].append({"index": i, "status": status})
+                            rec["valid"] = False
+                elif r is not None:
+                    try:
+                        rec["message"] = r.json()["error"]["message"][:200]
+                    except (ValueError, KeyError, TypeError):
+                        rec["message"] = r.text[:200]
+                done[(subset, i)] = rec
+                if log:
+                    log.write(json.dumps(rec) + "\n")
+                    log.flush()
             await asyncio.gather(*(one(i, sch) for i, sch in enumerate(schemas)))
-        return counts
 
+    pids_start = _replica_pids()
     for path in sorted(folder.glob("*.jsonl.gz")):
+        subset = path.name.split(".")[0]
+        if subsets and subset not in subsets:
+            continue
         with gzip.open(path, "rt") as f:
             rows = [json.loads(line) for line in f][:limit]
         schemas = [r.get("json_schema", r.get("schema", r)) for r in rows]
         schemas = [json.loads(x) if isinstance(x, str) else x for x in schemas]
         t0 = time.perf_counter()
-        counts = asyncio.run(go(schemas))
-        counts.update(schemas=len(schemas), seconds=round(time.perf_counter() - t0, 1))
-        report[path.name.split(".")[0]] = counts
-        print(path.name.split(".")[0], json.dumps(counts), flush=True)
-    return report
+        asyncio.run(go(subset, schemas))
+        pids = _replica_pids()
+        if log:
+            log.write(json.dumps({"subset": subset, "replica_pids": pids, "seconds": round(time.perf_counter() - t0, 1)})
+                      + "\n")
+            log.flush()
+        print(subset, json.dumps(_summary([done[(subset, i)] for i in range(len(schemas)) if (subset, i) in done])),
+              f"replica pids {pids} (at the start {pids_start})", flush=True)
+    report = {}
+    for (subset, _), rec in sorted(done.items()):
+        report.setdefault(subset, []).append(rec)
+    return {k: _summary(v) for k, v in report.items()}
+
+
+def _summary(recs: list[dict]) -> dict:
+    s = {"schemas": len(recs), "200": 0, "400": 0, "other": 0, "finished": 0, "finished_valid": 0,
+         "seconds_sum": round(sum(r.get("seconds", 0) for r in recs), 1), "other_examples": []}
+    for r in recs:
+        if r["status"] == 200:
+            s["200"] += 1
+            s["finished"] += bool(r.get("finished"))
+            s["finished_valid"] += bool(r.get("valid"))
+        elif r["status"] == 400:
+            s["400"] += 1
+        else:
+            s["other"] += 1
+            s["other_examples"].append({"index": r["index"], "status": r["status"], "message": r.get("message")})
+    return s
 
 
 def main(argv=None) -> int:
@@ -185,12 +240,14 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--budgets", nargs="+", type=float, default=[1.0, 0.33])
+    ap.add_argument("--progress", help="schemas: JSONL of per-schema results, appended; a rerun resumes")
+    ap.add_argument("--subsets", nargs="+", help="schemas: only these JSONSchemaBench subsets")
     ap.add_argument("--json", help="write the report here")
     args = ap.parse_args(argv)
     if args.what == "bfcl":
         out = bfcl_run(args.base_url, args.model, args.categories, args.concurrency, args.limit)
     elif args.what == "schemas":
-        out = schemas_run(args.base_url, args.model, args.limit, args.concurrency)
+        out = schemas_run(args.base_url, args.model, args.limit, args.concurrency, args.progress, args.subsets)
     else:
         out = load_run(args.base_url, args.model, args.requests, args.concurrency, args.budgets)
     if args.json:

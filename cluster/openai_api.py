@@ -19,8 +19,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.protocol import (ChatCompletionRequest, CompletionRequest, Limits, NamedToolChoice,
-                              SamplingFields, ToolCall, ToolCallFunction, Usage, json_depth, now)
+from cluster.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
+                              ErrorResponse, Limits, ModelList, NamedToolChoice, SamplingFields, ToolCall,
+                              ToolCallFunction, Usage, json_depth, now)
 from models import chat
 from replicas.async_engine import AsyncLLMEngine, EngineDeadError
 from replicas.errors import GrammarCompileError, InvalidRequestError
@@ -227,6 +228,8 @@ class OpenAIServer:
             if given:
                 kind = {"json_": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf"}[given[0]]
                 value = getattr(so, given[0])
+                if kind == "ebnf" and isinstance(value, str) and "::=" not in value:
+                    kind = "lark"  # rules written `name: ...` (Lark), as vLLM tells the two apart
                 if kind == "choice" and len(value) > self.limits.max_choices:
                     raise APIError(400, f"structured_outputs.choice has {len(value)} strings, over the limit of "
                                         f"{self.limits.max_choices}", param="structured_outputs.choice")
@@ -432,13 +435,22 @@ def build_app(server) -> FastAPI:
                                           "authentication_error", None, {"WWW-Authenticate": "Bearer"})
             return await call_next(request)
 
-    @app.get("/health")
+    def documented(ok_model=None, stream: bool = False, *errors: int) -> dict:
+        """OpenAPI responses of a route (documentation only: bodies are sent as built)."""
+        out: dict = {code: {"model": ErrorResponse} for code in errors}
+        if ok_model is not None:
+            out[200] = {"model": ok_model, **({"content": {"text/event-stream": {}}} if stream else {})}
+        return out
+
+    api_errors = (400, 401, 404, 413, 429, 503)
+
+    @app.get("/health", responses=documented(None, False, 503))
     async def health():
         """200 once the engine loop comes round between steps (vLLM's /health); 503 otherwise."""
         await server.health()
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=documented(None, False, 401))
     async def models():
         return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": now(),
                                             "owned_by": "structkv"}]}
@@ -451,11 +463,11 @@ def build_app(server) -> FastAPI:
             return first
         return StreamingResponse(_outputs(first, items), media_type="text/event-stream")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=documented(ChatCompletionResponse, True, *api_errors))
     async def chat_completions(req: ChatCompletionRequest):
         return await respond("chat", req)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=documented(CompletionResponse, True, *api_errors))
     async def completions(req: CompletionRequest):
         return await respond("completion", req)
 

@@ -125,7 +125,8 @@ class StructuredOutputs(_Body):
     json_: dict[str, Any] | str | None = Field(None, alias="json", description="JSON Schema the output follows.")
     regex: str | None = None
     choice: list[str] | None = None
-    grammar: str | None = Field(None, description="EBNF grammar (root rule `root`).")
+    grammar: str | None = Field(None, description="EBNF grammar (GBNF, `root ::= ...`) or Lark grammar "
+                                "(`start: ...`; told apart by `::=`, as vLLM does).")
 
 
 class CompletionRequest(SamplingFields):
@@ -142,6 +143,59 @@ class Usage(BaseModel):
     kv_budget_ratio_mean: float = Field(description="Extension: bytes held / full-KV bytes, mean over steps.")
     kv_budget_ratio_max: float = Field(description="Extension: the same ratio, max over steps.")
     kv_policy: str = Field(description="Extension: the KV policy (and table version) that served it.")
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: list[ToolCall] | None = Field(None, description="Present when the model called tools.")
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length", "tool_calls"]
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """The body of a non-streaming chat completion (with ``stream``: server-sent events of
+    ``chat.completion.chunk`` objects, then ``data: [DONE]``)."""
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    """The body of a non-streaming text completion (with ``stream``: server-sent events)."""
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
 
 
 class ErrorInfo(BaseModel):

@@ -2,7 +2,7 @@
 compilation, and per-step token bitmasks.
 
 A :class:`GrammarSpec` names what the output must follow: a JSON schema, any JSON object, a
-regex, one of several strings (``choice``), an EBNF grammar, or tool calls in the Qwen3
+regex, one of several strings (``choice``), an EBNF or Lark grammar, or tool calls in the Qwen3
 ``<tool_call>`` format (xgrammar's ``get_model_structural_tag("qwen_3", ...)``) with each tool's
 argument schema and ``tool_choice`` auto / required / none / named.
 """
@@ -20,7 +20,7 @@ import torch
 
 from replicas.errors import GrammarCompileError
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf", "tools")
+KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf", "lark", "tools")
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,8 @@ class GrammarSpec:
     """What the generated text must follow.
 
     ``value`` by kind: json_schema: a schema (dict or JSON string); json_object: ignored;
-    regex: a pattern; choice: a list of strings; ebnf: grammar text (root rule ``root``);
+    regex: a pattern; choice: a list of strings; ebnf: grammar text (GBNF, root rule ``root``);
+    lark: Lark grammar text (start rule ``start``, as vLLM / llguidance take it);
     tools: ``{"tools": [OpenAI tool entries], "tool_choice": "auto" | "required" | "none" |
     {"type": "function", "function": {"name": ...}}, "parallel_tool_calls": bool}``.
     """
@@ -113,6 +114,8 @@ def _check(spec: GrammarSpec) -> GrammarSpec:
         return GrammarSpec("json_schema", parsed, spec.strict)
     if spec.kind == "choice" and (not v or not isinstance(v, list) or not all(isinstance(x, str) for x in v)):
         raise GrammarCompileError("choice needs a non-empty list of strings")
+    if spec.kind in ("ebnf", "lark", "regex") and (not isinstance(v, str) or not v.strip()):
+        raise GrammarCompileError(f"a {spec.kind} grammar needs non-empty text")
     if spec.kind == "tools":
         tools = (v or {}).get("tools") or []
         if not tools:
@@ -136,6 +139,9 @@ def _compile_with(compiler, spec: GrammarSpec):
         return compiler.compile_regex("|".join(re.escape(x) for x in v))
     if spec.kind == "ebnf":
         return compiler.compile_grammar(v)
+    if spec.kind == "lark":
+        import xgrammar as xgr
+        return compiler.compile_grammar(xgr.Grammar.from_lark(v))
     tag = tools_structural_tag(v["tools"], v.get("tool_choice", "auto"), v.get("parallel_tool_calls", True))
     return compiler.compile_structural_tag(tag)
 

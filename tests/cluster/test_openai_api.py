@@ -90,6 +90,13 @@ def test_completions_with_structured_outputs(app):
                                               "structured_outputs": {"choice": ["yes", "no"]}})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] in ("yes", "no")
+    for grammar in ('root ::= "on" | "off"', 'start: "on" | "off"'):  # EBNF, then Lark
+        r = call(app, "POST", "/v1/completions", {"model": MODEL, "prompt": "Switch:", "max_tokens": 8,
+                                                  "structured_outputs": {"grammar": grammar}})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("on", "off"), r.text
+    r = call(app, "POST", "/v1/completions", {"model": MODEL, "prompt": "x", "structured_outputs": {
+        "grammar": "start: missing_rule"}})
+    assert r.status_code == 400 and "lark" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("path,body,status,needle", [

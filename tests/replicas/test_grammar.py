@@ -38,6 +38,8 @@ def test_choice_regex_and_json_object(engine, chat_prompts):
         assert isinstance(json.loads(out.text), dict)
     ebnf = 'root ::= "x" ("y" | "z")'
     assert run(engine, chat_prompts[2], GrammarSpec("ebnf", ebnf)).text in ("xy", "xz")
+    lark = 'start: "x" ("y" | "z") DIGIT\nDIGIT: /[0-9]/'
+    assert re.fullmatch(r"x[yz]\d", run(engine, chat_prompts[2], GrammarSpec("lark", lark)).text)
 
 
 def test_tool_grammar_required_and_named(engine, chat_prompts):
@@ -64,6 +66,8 @@ def test_tool_grammar_required_and_named(engine, chat_prompts):
     (GrammarSpec("json_schema", "{not json"), "invalid json_schema"),
     (GrammarSpec("regex", "(unclosed"), "invalid regex"),
     (GrammarSpec("ebnf", "root ::= undefined_rule"), "invalid ebnf"),
+    (GrammarSpec("lark", "start: undefined_rule"), "invalid lark"),
+    (GrammarSpec("lark", ""), "needs non-empty text"),
     (GrammarSpec("choice", []), "non-empty list"),
     (GrammarSpec("tools", {"tools": []}), "at least one tool"),
 ])
@@ -75,7 +79,7 @@ def test_bad_grammars_raise_typed_error_and_engine_keeps_serving(engine, chat_pr
 
 def test_unknown_kind():
     with pytest.raises(GrammarCompileError, match="unknown grammar kind"):
-        GrammarSpec("lark", "start: x")
+        GrammarSpec("peg", "start <- x")
 
 
 # Ground-truth entries that contradict their own function schema in the BFCL data itself: no
