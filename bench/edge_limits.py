@@ -39,6 +39,7 @@ CASES = [
     ("no API key", "POST /v1/chat/completions without Authorization", _chat(), {"auth": False}),
     ("wrong API key", "Authorization: Bearer wrong", _chat(), {"auth": "wrong"}),
     ("/health without key", "GET /health", None, {"auth": False, "method": "GET", "path": "/health"}),
+    ("header size", "a 100 KB header", _chat(max_tokens=2), {"headers": {"X-Pad": "a" * 100_000}}),
     ("body size", "3 MiB of message text", _chat(messages=[{"role": "user", "content": "x" * (3 << 20)}]), {}),
     ("malformed JSON", "body '{\"model\": '", "{\"model\": ", {"raw": True}),
     ("unknown model", "model 'gpt-9'", _chat(model="gpt-9"), {}),
@@ -80,6 +81,7 @@ def run(out: Path | None) -> int:
 
     async def send(body, opts):
         headers = {} if opts.get("auth") is False else {"Authorization": f"Bearer {opts.get('auth') or KEY}"}
+        headers.update(opts.get("headers", {}))
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=120) as c:
             method, path = opts.get("method", "POST"), opts.get("path", "/v1/chat/completions")
             if opts.get("raw"):

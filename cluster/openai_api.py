@@ -406,10 +406,17 @@ def build_app(server) -> FastAPI:
 
     max_body = server.limits.max_body_bytes
 
+    max_header = server.limits.max_header_bytes
+
     @app.middleware("http")
     async def _limit_body(request: Request, call_next):
-        """413 for a body over the limit: by Content-Length, else by the body read (and kept for
-        the route)."""
+        """431 for headers over the limit; 413 for a body over the limit: by Content-Length, else
+        by the body read (and kept for the route)."""
+        header_bytes = sum(len(k) + len(v) for k, v in request.scope.get("headers", ()))
+        if header_bytes > max_header:
+            server.metrics.error(431)
+            return error_response(431, f"request headers of {header_bytes} bytes are over the limit of "
+                                       f"{max_header} bytes", "invalid_request_error")
         if request.method in ("POST", "PUT", "PATCH"):
             declared = request.headers.get("content-length")
             if declared is not None and declared.isdigit():
@@ -442,7 +449,7 @@ def build_app(server) -> FastAPI:
             out[200] = {"model": ok_model, **({"content": {"text/event-stream": {}}} if stream else {})}
         return out
 
-    api_errors = (400, 401, 404, 413, 429, 503)
+    api_errors = (400, 401, 404, 413, 429, 431, 503)
 
     @app.get("/health", responses=documented(None, False, 503))
     async def health():

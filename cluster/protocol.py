@@ -15,6 +15,8 @@ class Limits(BaseModel):
     Each violation is a 4xx in the OpenAI error envelope."""
     model_config = ConfigDict(extra="forbid")
     max_body_bytes: int = Field(2 << 20, gt=0, description="Request body size (413 above).")
+    max_header_bytes: int = Field(32 << 10, gt=0, description="All request headers, names and values (431 "
+                                  "above; Ray Serve's proxy passes headers of any size).")
     max_stop: int = Field(16, ge=0, description="Stop strings per request.")
     max_stop_chars: int = Field(256, gt=0, description="Characters per stop string.")
     max_tools: int = Field(128, ge=0, description="Tools per request.")

@@ -187,6 +187,15 @@ def test_body_over_the_limit_is_413(engine):
     server.engine.shutdown()
 
 
+def test_headers_over_the_limit_are_431(app):
+    async def go(pad):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            return await c.get("/v1/models", headers={"X-Pad": "a" * pad})
+    r = asyncio.run(go(40_000))
+    assert r.status_code == 431 and "over the limit of 32768" in r.json()["error"]["message"]
+    assert asyncio.run(go(1_000)).status_code == 200
+
+
 def test_new_user_findings(app):
     """Found by a new-user trial: each was a 500, a leak of raw markup, or a refused short prompt."""
     r = call(app, "POST", "/v1/chat/completions", chat(seed=2**64, max_tokens=2))

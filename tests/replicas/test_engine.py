@@ -90,6 +90,25 @@ def test_seeded_sampling_is_reproducible(engine):
     assert len({tuple(a), tuple(c), tuple(d)}) > 1
 
 
+def test_extreme_sampling_params_sample_the_top_token(engine):
+    """Found by schemathesis: top_p 3e-237 (0 in float32) kept no token and multinomial raised inside
+    the engine step, failing every request in the batch; a temperature of 1e-300 overflowed."""
+    import torch
+
+    from replicas.sampler import sample
+    from replicas.sequence import Sequence
+    logits = torch.tensor([[0.0, 3.0, 1.0]])
+    for params in (SamplingParams(temperature=0.1, top_p=3e-237), SamplingParams(temperature=1e-300)):
+        seq = Sequence.__new__(Sequence)
+        seq.params, seq.generator = params, None
+        assert sample(logits, [seq], torch.Generator().manual_seed(0)) == [1]
+    prompt = list(range(100, 120))
+    greedy = engine.generate([prompt], SamplingParams(max_tokens=4))[0].token_ids
+    for params in (SamplingParams(max_tokens=4, temperature=0.1, top_p=3e-237),
+                   SamplingParams(max_tokens=4, temperature=1e-300)):
+        assert engine.generate([prompt], params)[0].token_ids == greedy
+
+
 @pytest.mark.parametrize("prompt,params,match", [
     ([], None, "prompt is empty"),
     ("", None, "prompt is empty"),
