@@ -45,9 +45,12 @@ def quantize_store(x, data, scale, slots, bits: int) -> None:
 
 
 def paged_decode_attention(q, k, v, k_scale, v_scale, block_table, lens, bits: int,
-                           sm_scale: float | None = None):
+                           sm_scale: float | None = None, need_lse: bool = True):
+    """Decode attention over paged KV (Triton on CUDA, the torch reference elsewhere); see
+    :func:`kernels.decode_attention.paged_decode_attention_ref` for shapes. Returns ``(out, lse)``;
+    ``lse`` may be None when ``need_lse`` is False."""
     return get_kernel("paged_decode_attention", q.device)(q, k, v, k_scale, v_scale, block_table,
-                                                          lens, bits, sm_scale)
+                                                          lens, bits, sm_scale, need_lse=need_lse)
 
 
 __all__ = ["dequantize_ref", "get_kernel", "merge_attention_states", "paged_decode_attention",

@@ -69,9 +69,10 @@ def _workspace(name: str, shape: tuple, dtype: torch.dtype, device: torch.device
 
 
 def paged_decode_attention_ref(q, k, v, k_scale, v_scale, block_table, lens, bits: int,
-                               sm_scale: float | None = None):
+                               sm_scale: float | None = None, need_lse: bool = True):
     """Plain-torch reference (gathers the pages into a reused buffer, dequantizes, masked softmax,
-    one KV head at a time)."""
+    one KV head at a time). With ``need_lse=False`` (nothing to merge with) the log-sum-exp is
+    not computed: one softmax instead of logsumexp + exp, and ``lse`` comes back as None."""
     _check(q, k, v, k_scale, v_scale, block_table, lens, bits)
     b, hq, d = q.shape
     bs, hkv = k.shape[1], k.shape[2]
@@ -100,14 +101,19 @@ def paged_decode_attention_ref(q, k, v, k_scale, v_scale, block_table, lens, bit
     lse = torch.empty(b, hkv, g, dtype=torch.float32, device=q.device)
     # One KV head at a time: [B, T, D] slices of the gathered pages are strided matrices that bmm
     # reads in place, where one einsum over all heads copied the whole context again.
+    ragged = bool((lens < max_len).any())
     for h in range(hkv):
         scores = torch.bmm(qg[:, h], keys[:, :, h].transpose(1, 2)).mul_(sm_scale)   # [B, G, T]
-        scores.masked_fill_(~valid[:, None, :], float("-inf"))
-        row_lse = torch.logsumexp(scores, dim=-1)                                   # [B, G]
-        probs = torch.exp(scores - row_lse[..., None]).nan_to_num_(0.0)
+        if ragged:
+            scores.masked_fill_(~valid[:, None, :], float("-inf"))
+        if need_lse:
+            row_lse = torch.logsumexp(scores, dim=-1)                               # [B, G]
+            probs = torch.exp(scores - row_lse[..., None]).nan_to_num_(0.0)
+            lse[:, h] = row_lse
+        else:
+            probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # an empty row (len 0): zeros
         out[:, h] = torch.bmm(probs, values[:, :, h])
-        lse[:, h] = row_lse
-    return out.reshape(b, hq, d), lse.reshape(b, hq)
+    return out.reshape(b, hq, d), (lse.reshape(b, hq) if need_lse else None)
 
 
 def merge_attention_states(outs, lses, return_lse: bool = False):
@@ -238,7 +244,8 @@ def default_num_splits(batch: int, kv_heads: int, max_pages: int, target_program
 
 
 def paged_decode_attention_triton(q, k, v, k_scale, v_scale, block_table, lens, bits: int,
-                                  sm_scale: float | None = None, num_splits: int | None = None):
+                                  sm_scale: float | None = None, num_splits: int | None = None,
+                                  need_lse: bool = True):
     """Triton version of :func:`paged_decode_attention_ref` (same contract).
 
     Each program attends the query group of one (sequence, KV head, split) to a contiguous range

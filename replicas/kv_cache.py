@@ -267,6 +267,48 @@ class KVCache:
             self._write(seq_id, layer, positions, k, v, Precision(precision))
         kv.next_position[layer] = max(positions) + 1
 
+    def append_decode(self, seq_ids: list, layer: int, positions: list[int], k: torch.Tensor,
+                      v: torch.Tensor) -> None:
+        """Store one new token per sequence of a decode step, at HIGH precision, in one write
+        (what :meth:`append` does per sequence, without a Python round trip each).
+
+        Args:
+            seq_ids: B sequences; positions: their B new positions (ints).
+            k, v: ``[B, Hkv, D]``, keys after RoPE.
+
+        Raises:
+            KVCacheOutOfMemory: the pages the batch needs do not fit (nothing is written).
+            ValueError: a position not above the sequence's last one in this layer, or a shape mismatch.
+        """
+        b, bs, high = len(seq_ids), self.cfg.block_size, Precision.HIGH
+        if k.shape != v.shape or k.shape != (b, self.cfg.num_kv_heads, self.cfg.head_dim) or len(positions) != b:
+            raise ValueError(f"k, v must be [{b}, {self.cfg.num_kv_heads}, {self.cfg.head_dim}] with {b} "
+                             f"positions, got {tuple(k.shape)}, {tuple(v.shape)}, {len(positions)}")
+        kvs = [self.seqs[s] for s in seq_ids]
+        need = 0
+        for sid, kv, pos in zip(seq_ids, kvs, positions):
+            if pos < kv.next_position[layer]:
+                raise ValueError(f"sequence {sid!r}, layer {layer}: positions must be new and at least "
+                                 f"{kv.next_position[layer]}, got {pos}")
+            need += len(kv.entries[layer][high].positions) % bs == 0
+        if need * self.page_cost(high) > self.bytes_free:
+            raise KVCacheOutOfMemory(f"KV pool budget exhausted: need {need * self.page_cost(high)} bytes for "
+                                     f"{need} HIGH pages, {self.bytes_free} free of {self.cfg.max_bytes}")
+        flat = []
+        for kv, pos in zip(kvs, positions):
+            e = kv.entries[layer][high]
+            slot = len(e.positions)
+            self._reserve(e, high, slot + 1)
+            flat.append(e.pages[slot // bs] * bs + slot % bs)
+            e.positions.append(pos)
+            kv.where[layer][pos] = _loc(high, slot)
+            kv.next_position[layer] = pos + 1
+        pool = self.pools[high]
+        idx = torch.tensor(flat, dtype=torch.long, device=self.cfg.device)
+        pool.flat("k")[idx] = k.to(pool.data_dtype)
+        pool.flat("v")[idx] = v.to(pool.data_dtype)
+        pool.flat("positions")[idx] = torch.tensor(positions, dtype=torch.int32, device=self.cfg.device)
+
     def _remove(self, seq_id, layer: int, prec: Precision, slots: list[int]) -> None:
         """Swap-remove slots from a (sequence, layer, precision); frees emptied pages."""
         kv = self.seqs[seq_id]
@@ -374,18 +416,21 @@ class KVCache:
         Returns ``[B, Hq, D]`` in ``q``'s dtype; HIGH, INT8 and INT4 pools merged exactly.
         """
         outs, lses = [], []
+        active = []
         for prec, pool in self.pools.items():
             entries = [self.seqs[s].entries[layer][prec] for s in seq_ids]
             lens = [len(e.positions) for e in entries]
-            if not any(lens):
-                continue
+            if any(lens):
+                active.append((pool, entries, lens))
+        for pool, entries, lens in active:
             width = max(len(e.pages) for e in entries)
             table = torch.zeros(len(seq_ids), width, dtype=torch.int32)
             for i, e in enumerate(entries):
                 table[i, : len(e.pages)] = torch.tensor(e.pages, dtype=torch.int32)
             out, lse = kernels.paged_decode_attention(
                 q, pool.k, pool.v, pool.k_scale, pool.v_scale, table.to(self.cfg.device),
-                torch.tensor(lens, dtype=torch.int32, device=self.cfg.device), pool.bits, sm_scale)
+                torch.tensor(lens, dtype=torch.int32, device=self.cfg.device), pool.bits, sm_scale,
+                need_lse=len(active) > 1)
             outs.append(out)
             lses.append(lse)
         if not outs:

@@ -59,8 +59,7 @@ class ModelRunner:
         queries: dict[int, torch.Tensor] = {}
 
         def attention(layer: int, q, k, v):
-            for i, sid in enumerate(seq_ids):
-                self.kv.append(sid, layer, (pos[i],), k[i:i + 1], v[i:i + 1])
+            self.kv.append_decode(seq_ids, layer, pos, k, v)
             if record_queries:
                 queries[layer] = q.clone()
             return self.kv.decode_attention(seq_ids, layer, q)

@@ -150,3 +150,17 @@ def test_reference_workspace_is_shared_in_and_outside_inference_mode():
         a, _ = paged_decode_attention_ref(q, *pool, table, lens, 0)
     b, _ = paged_decode_attention_ref(q, *pool, table, lens, 0)
     torch.testing.assert_close(a, b)
+
+
+def test_reference_without_lse_equals_with_lse():
+    torch.manual_seed(0)
+    bs, hkv, d = 4, 2, 8
+    k, v = torch.randn(12, bs, hkv, d), torch.randn(12, bs, hkv, d)
+    table = torch.randperm(12)[:9].view(3, 3).int()
+    q = torch.randn(3, 4, d)
+    for lens in ([9, 12, 5], [12, 12, 12], [0, 7, 12]):
+        lens = torch.tensor(lens, dtype=torch.int32)
+        out, lse = paged_decode_attention_ref(q, k, v, None, None, table, lens, 0)
+        fast, none = paged_decode_attention_ref(q, k, v, None, None, table, lens, 0, need_lse=False)
+        assert none is None
+        torch.testing.assert_close(fast, out)

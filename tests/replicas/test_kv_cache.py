@@ -116,3 +116,37 @@ def test_bad_shapes():
         c.append("a", 0, [0, 1], torch.zeros(2, 3, 8), torch.zeros(2, 3, 8))
     with pytest.raises(ValueError, match="already has"):
         c.add_sequence("a")
+
+
+def test_append_decode_equals_per_sequence_appends_and_is_all_or_nothing():
+    torch.manual_seed(0)
+    a, b = cache(), cache()
+    for c in (a, b):
+        for s in ("x", "y", "z"):
+            c.add_sequence(s)
+    for c in (a, b):
+        torch.manual_seed(1)
+        fill(c, "x", 7, layer=0)
+        fill(c, "y", 4, layer=0)  # the next token opens a new page
+        fill(c, "z", 1, layer=0)
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    a.append_decode(["x", "y", "z"], 0, [7, 9, 1], k, v)  # positions need only increase
+    for i, (s, p) in enumerate((("x", 7), ("y", 9), ("z", 1))):
+        b.append(s, 0, [p], k[i:i + 1], v[i:i + 1])
+    for s in ("x", "y", "z"):
+        ga, gb = a.gather(s, 0), b.gather(s, 0)
+        assert all(torch.equal(t, u) for t, u in zip(ga, gb))
+    assert a.bytes_used == b.bytes_used
+    q = torch.randn(3, 4, 8)
+    torch.testing.assert_close(a.decode_attention(["x", "y", "z"], 0, q), b.decode_attention(["x", "y", "z"], 0, q))
+    with pytest.raises(ValueError, match="positions must be new"):
+        a.append_decode(["x", "y"], 0, [8, 9], k[:2], v[:2])
+    assert a.num_kept("x", 0) == 8  # the refused batch wrote nothing, not even x's token
+    page = 4 * (2 * 2 * 8 * 4 + 4) + 4
+    tight = cache(max_bytes=2 * page)
+    for s in ("x", "y"):
+        tight.add_sequence(s)
+        fill(tight, s, 4, layer=0)  # both pages full: the next token of each needs a page
+    with pytest.raises(KVCacheOutOfMemory):
+        tight.append_decode(["x", "y"], 0, [4, 4], k[:2], v[:2])
+    assert tight.num_kept("x", 0) == tight.num_kept("y", 0) == 4 and tight.bytes_used == 2 * page
