@@ -161,9 +161,16 @@ class EngineClient:
                 done = True
                 return
             except RayTaskError as e:  # raised in the replica: an APIError crosses whole
+                done = True
                 cause = getattr(e, "cause", None)
-                if isinstance(cause, APIError):
+                if isinstance(cause, APIError) and not started:
                     raise cause from None
+                if started:  # the stream is under way: end it with an error event
+                    status = cause.status if isinstance(cause, APIError) else 500
+                    message = cause.message if isinstance(cause, APIError) else f"internal error: {type(cause).__name__}"
+                    yield "data: " + json.dumps({"error": {"message": message, "type": "internal_server_error",
+                                                           "param": None, "code": status}}) + "\n\n"
+                    return
                 raise
             except (RayActorError, ReplicaUnavailableError) as e:
                 done = True

@@ -404,8 +404,16 @@ def build_app(server) -> FastAPI:
         return error_response(400, f"invalid request body at {where or 'body'}: {first.get('msg', 'malformed')}",
                               "invalid_request_error", where or None)
 
-    max_body = server.limits.max_body_bytes
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        """A bug, not the client's fault: 500 in the envelope (logged with its traceback), never a
+        plain-text page."""
+        import logging
+        logging.getLogger("structkv").exception("internal error on %s %s", request.method, request.url.path)
+        server.metrics.error(500)
+        return error_response(500, f"internal error: {type(exc).__name__}", "internal_server_error")
 
+    max_body = server.limits.max_body_bytes
     max_header = server.limits.max_header_bytes
 
     @app.middleware("http")

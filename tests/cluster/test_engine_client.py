@@ -112,3 +112,15 @@ def test_health_is_503_when_no_replica_answers(dead):
                     raise ActorDiedError()
     r = TestClient(build_app(EngineClient(Handle(), "m", Limits(), None))).get("/health")
     assert r.status_code == (503 if dead else 200)
+
+
+def test_a_replica_bug_is_a_500_in_the_envelope_or_an_error_event():
+    from ray.exceptions import RayTaskError
+    bug = RayTaskError("chat", "Traceback ...", KeyError("x"))
+    r = TestClient(build_app(_client(ScriptedHandle([bug]))), raise_server_exceptions=False).post(
+        "/v1/chat/completions", json=CHAT)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "internal_server_error"
+    r = TestClient(build_app(_client(ScriptedHandle(['data: {"a": 1}\n\n', bug])))).post(
+        "/v1/chat/completions", json={**CHAT, "stream": True})
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[-1])["error"]["code"] == 500
