@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 import uuid
 from typing import Any, AsyncIterator
 
@@ -28,6 +29,10 @@ from replicas.errors import GrammarCompileError, InvalidRequestError
 from replicas.grammar import GrammarSpec
 from replicas.sampling_params import SamplingParams
 from replicas.sequence import RequestOutput
+
+
+EBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w.-]*\s*::=", re.MULTILINE)
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]+")  # OpenAI's [a-zA-Z0-9_-], plus . and : (BFCL names have dots)
 
 
 class APIError(Exception):
@@ -135,8 +140,21 @@ class OpenAIServer:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
                            "not_found_error", "model")
 
-    def _check_schema(self, schema: Any, param: str) -> None:
+    def _check_schema(self, schema: Any, param: str) -> Any:
+        """Size and nesting limits of a schema (a JSON string is parsed first). Returns the schema
+        parsed."""
         lim = self.limits
+        if isinstance(schema, str):
+            if len(schema.encode("utf-8", "surrogatepass")) > lim.max_schema_bytes:
+                raise APIError(400, f"{param}: schema of {len(schema)} characters is over the limit of "
+                                    f"{lim.max_schema_bytes} bytes", param=param)
+            depth = _bracket_depth(schema)
+            if depth > lim.max_schema_depth:
+                raise APIError(400, f"{param}: schema nested deeper than {lim.max_schema_depth} levels", param=param)
+            try:
+                schema = json.loads(schema)
+            except (ValueError, RecursionError) as e:
+                raise APIError(400, f"{param}: not valid JSON: {e}", param=param) from None
         size = len(json.dumps(schema))
         if size > lim.max_schema_bytes:
             raise APIError(400, f"{param}: schema of {size} bytes is over the limit of {lim.max_schema_bytes}",
@@ -144,15 +162,24 @@ class OpenAIServer:
         depth = json_depth(schema, lim.max_schema_depth)
         if depth > lim.max_schema_depth:
             raise APIError(400, f"{param}: schema nested deeper than {lim.max_schema_depth} levels", param=param)
+        return schema
 
     def _check_tools(self, req: ChatCompletionRequest) -> None:
         lim, tools = self.limits, req.tools or []
         if len(tools) > lim.max_tools:
             raise APIError(400, f"{len(tools)} tools, over the limit of {lim.max_tools}", param="tools")
+        seen = set()
         for i, t in enumerate(tools):
-            if len(t.function.name) > lim.max_tool_name_chars:
-                raise APIError(400, f"tools[{i}].function.name is {len(t.function.name)} characters, over the "
+            name = t.function.name
+            if len(name) > lim.max_tool_name_chars:
+                raise APIError(400, f"tools[{i}].function.name is {len(name)} characters, over the "
                                     f"limit of {lim.max_tool_name_chars}", param=f"tools[{i}].function.name")
+            if not TOOL_NAME.fullmatch(name):  # the name goes into the grammar and the call markup as is
+                raise APIError(400, f"tools[{i}].function.name {name!r} may only hold letters, digits and _ - . :",
+                               param=f"tools[{i}].function.name")
+            if name in seen:
+                raise APIError(400, f"tools[{i}].function.name {name!r} is given twice", param=f"tools[{i}].function.name")
+            seen.add(name)
             self._check_schema(t.function.parameters, f"tools[{i}].function.parameters")
 
     def _sampling(self, req: SamplingFields, max_tokens: int | None, num_prompt: int) -> SamplingParams:
@@ -186,7 +213,8 @@ class OpenAIServer:
             if req.tool_choice is not None:
                 raise APIError(400, f"tool_choice {choice!r} needs tools", param="tool_choice")
         messages = []
-        for m in req.messages:
+        for i, m in enumerate(req.messages):
+            _check_text(m.text(), f"messages[{i}].content")
             msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
             if m.tool_calls:
                 msg["tool_calls"] = [{"type": "function", "function": {
@@ -216,6 +244,7 @@ class OpenAIServer:
     def completion_request(self, req: CompletionRequest):
         self._check_model(req.model)
         if isinstance(req.prompt, str):
+            _check_text(req.prompt, "prompt")
             ids = self.tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
         else:
             ids = list(req.prompt)
@@ -227,13 +256,21 @@ class OpenAIServer:
                                param="structured_outputs")
             if given:
                 kind = {"json_": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf"}[given[0]]
-                value = getattr(so, given[0])
-                if kind == "ebnf" and isinstance(value, str) and "::=" not in value:
-                    kind = "lark"  # rules written `name: ...` (Lark), as vLLM tells the two apart
+                value, param = getattr(so, given[0]), f"structured_outputs.{given[0].rstrip('_')}"
+                if kind == "ebnf" and not EBNF_RULE.search(value):
+                    kind = "lark"  # no `name ::=` rule: Lark (`name: ...`), as vLLM tells the two apart
                 if kind == "choice" and len(value) > self.limits.max_choices:
                     raise APIError(400, f"structured_outputs.choice has {len(value)} strings, over the limit of "
                                         f"{self.limits.max_choices}", param="structured_outputs.choice")
-                self._check_schema(value, f"structured_outputs.{given[0].rstrip('_')}")
+                if kind == "json_schema":
+                    value = self._check_schema(value, param)
+                else:
+                    size = len(json.dumps(value))
+                    if size > self.limits.max_schema_bytes:
+                        raise APIError(400, f"{param}: {size} bytes, over the limit of {self.limits.max_schema_bytes}",
+                                       param=param)
+                    for text in (value if isinstance(value, list) else [value]):
+                        _check_text(text, param)
                 grammar = GrammarSpec(kind, value)
         return ids, self._sampling(req, req.max_tokens, len(ids)), grammar
 
@@ -325,6 +362,36 @@ class OpenAIServer:
         versions = self.engine.engine.table_versions
         name = self.engine.engine.policy.name
         return name + "".join(f" {k}@{v}" for k, v in sorted(versions.items()))
+
+
+def _check_text(text: str, param: str) -> None:
+    """400 for text that is not valid Unicode (a lone surrogate, which JSON can carry)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param}: not valid Unicode ({e.reason} at character {e.start})", param=param) from None
+
+
+def _bracket_depth(text: str) -> int:
+    """Deepest nesting of [ and { in JSON text, outside strings (no recursion, no parse)."""
+    depth = deepest = 0
+    in_str = escaped = False
+    for ch in text:
+        if in_str:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
 
 
 def _json_or_text(arguments: str) -> Any:

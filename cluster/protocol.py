@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class Limits(BaseModel):
@@ -76,16 +76,24 @@ class ToolCall(_Body):
     function: ToolCallFunction
 
 
+class ContentPart(BaseModel):
+    """A content part; text parts are kept, others (images, audio) are refused by the model's
+    template or ignored."""
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: keep the text ones
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+            return "".join(p.text or "" for p in self.content if p.type == "text")
         return self.content or ""
 
 
@@ -101,6 +109,15 @@ class ResponseFormat(_Body):
 
 
 class SamplingFields(_Body):
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """An explicit null means the default, as OpenAI and vLLM take it (clients send nulls)."""
+        if isinstance(data, dict):
+            nullable = ("temperature", "top_p", "n", "stream", "parallel_tool_calls", "ignore_eos")
+            data = {k: v for k, v in data.items() if not (v is None and k in nullable)}
+        return data
+
     max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 = greedy (the model's default).")
     top_p: float = Field(1.0, gt=0.0, le=1.0)

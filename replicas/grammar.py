@@ -55,8 +55,13 @@ _NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "depend
 
 def unenforced_keywords(schema: Any) -> list[str]:
     """JSON-pointer-ish places where ``schema`` uses a keyword the grammar cannot enforce:
-    the keywords above, ``uniqueItems: true``, ``allOf`` with several members, and ``pattern`` or
-    ``format`` together with ``minLength`` / ``maxLength`` (the lengths are dropped)."""
+    the keywords above, ``uniqueItems: true``, ``allOf`` with several members, ``pattern`` or
+    ``format`` together with ``minLength`` / ``maxLength`` (the lengths are dropped), ``anyOf`` /
+    ``oneOf`` / ``allOf`` / ``$ref`` beside other constraints (the siblings are dropped), ``oneOf``
+    whose members may overlap (it is compiled as ``anyOf``), a ``required`` name missing from
+    ``properties``, ``enum`` / ``const`` values outside the node's ``type``, and a ``$ref`` that is
+    not a local JSON pointer (it would match anything). Seen with xgrammar 0.2.9: output breaking
+    the schema under the grammar."""
     found, stack = [], [(schema, "$")]
     while stack:
         node, where = stack.pop()
@@ -72,11 +77,76 @@ def unenforced_keywords(schema: Any) -> list[str]:
             found.append(f"allOf at {where}")
         if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
             found.append(f"{'pattern' if 'pattern' in node else 'format'} with minLength / maxLength at {where}")
+        found += _dropped_constraints(node, where)
         for k, v in node.items():
             if k in _NAME_MAPS and isinstance(v, dict):
                 stack.extend((sub, f"{where}.{k}.{name}") for name, sub in v.items())
             elif k not in _NOT_SCHEMAS:
                 stack.append((v, f"{where}.{k}"))
+    return found
+
+
+_CONSTRAINTS = ("type", "properties", "required", "items", "prefixItems", "additionalProperties",
+                "patternProperties", "enum", "const", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+                "multipleOf", "minLength", "maxLength", "pattern", "format", "minItems", "maxItems",
+                "minProperties", "maxProperties", "propertyNames")
+_JSON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
+               "object": (dict,), "array": (list,), "null": (type(None),)}
+
+
+def _matches_type(value: Any, types: Any) -> bool:
+    types = [types] if isinstance(types, str) else types
+    if not isinstance(types, list):
+        return True
+    for t in types:
+        py = _JSON_TYPES.get(t)
+        if py is None:
+            return True  # an unknown type name: xgrammar reports it
+        if isinstance(value, bool) and t in ("integer", "number"):
+            continue
+        if t == "integer" and isinstance(value, float) and value.is_integer():
+            return True
+        if isinstance(value, py):
+            return True
+    return False
+
+
+def _disjoint_members(members: list) -> bool:
+    """oneOf members that no value can match twice: distinct single types (not integer beside
+    number), or const / enum values that do not repeat."""
+    types = [m.get("type") if isinstance(m, dict) else None for m in members]
+    if all(isinstance(t, str) for t in types) and len(set(types)) == len(types) \
+            and not {"integer", "number"} <= set(types):
+        return True
+    values = []
+    for m in members:
+        if not isinstance(m, dict) or not ("const" in m or isinstance(m.get("enum"), list)):
+            return False
+        values += [m["const"]] if "const" in m else m["enum"]
+    keys = [json.dumps(v, sort_keys=True) for v in values]
+    return len(set(keys)) == len(keys)
+
+
+def _dropped_constraints(node: dict, where: str) -> list[str]:
+    found = []
+    siblings = [k for k in _CONSTRAINTS if k in node]
+    for comb in ("anyOf", "oneOf", "allOf", "$ref"):
+        if comb in node and siblings:
+            found.append(f"{comb} beside {', '.join(siblings)} at {where}")
+    if isinstance(node.get("oneOf"), list) and len(node["oneOf"]) > 1 and not _disjoint_members(node["oneOf"]):
+        found.append(f"oneOf with members that may overlap at {where}")
+    ref = node.get("$ref")
+    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+        found.append(f"$ref {ref[:60]!r} (not a local JSON pointer) at {where}")
+    required, props = node.get("required"), node.get("properties")
+    if isinstance(required, list):
+        missing = [r for r in required if not (isinstance(props, dict) and r in props)]
+        if missing:
+            found.append(f"required {', '.join(map(str, missing[:4]))} not in properties at {where}")
+    if "type" in node:
+        values = ([node["const"]] if "const" in node else []) + (node["enum"] if isinstance(node.get("enum"), list) else [])
+        if any(not _matches_type(v, node["type"]) for v in values):
+            found.append(f"enum / const values outside type {node['type']} at {where}")
     return found
 
 

@@ -221,3 +221,37 @@ def test_unknown_route_and_method_use_the_envelope(app):
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     r = call(app, "GET", "/v1/chat/completions")
     assert r.status_code == 405 and r.json()["error"]["code"] == 405
+
+
+
+def test_new_user_findings_second_trial(app):
+    """Found by the second new-user trial: 500s for odd text and types, a depth check skipped for a
+    schema sent as a string, tool names that broke the call markup, nulls refused."""
+    def raw(path, text):
+        async def go():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+                return await c.post(path, content=text, headers={"Content-Type": "application/json"})
+        return asyncio.run(go())
+    r = raw("/v1/completions", '{"model": "%s", "prompt": "x \\ud83d y", "max_tokens": 2}' % MODEL)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = call(app, "POST", "/v1/chat/completions", chat(messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]))
+    assert r.status_code == 400 and "messages.0.content" in r.json()["error"]["param"]
+    for bomb in ("[" * 100000 + "]" * 100000, json.dumps(_nested(40))):
+        r = call(app, "POST", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                                 "structured_outputs": {"json": bomb}})
+        assert r.status_code == 400 and "nested deeper" in r.json()["error"]["message"]
+    for name in ('get "weather" now', "x</tool_call>y", "a\\nb"):
+        tool = {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}}
+        r = call(app, "POST", "/v1/chat/completions", chat(tools=[tool], max_tokens=2))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function.name", name
+    r = call(app, "POST", "/v1/chat/completions", chat(tools=[WEATHER, WEATHER], max_tokens=2))
+    assert r.status_code == 400 and "given twice" in r.json()["error"]["message"]
+    r = call(app, "POST", "/v1/chat/completions", chat(temperature=None, top_p=None, stream=None, n=None, max_tokens=2))
+    assert r.status_code == 200, r.text
+
+
+def _nested(n):
+    s = {"type": "string"}
+    for _ in range(n):
+        s = {"type": "object", "properties": {"a": s}}
+    return s

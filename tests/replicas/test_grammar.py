@@ -110,6 +110,15 @@ def test_every_bfcl_ground_truth_passes_schema_and_grammar():
     ({"type": "object", "properties": {"b": {"type": "string", "pattern": "^a+$", "maxLength": 4}}},
      "pattern with minLength / maxLength at $.properties.b"),
     ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "if at $"),
+    # Found by a new-user trial: each produced schema-breaking output under the grammar.
+    ({"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["b"]}, "required b not in properties"),
+    ({"type": "object", "properties": {"a": {"type": "boolean"}}, "anyOf": [{"required": ["a"]}]},
+     "anyOf beside type, properties"),
+    ({"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "enum": ["x"]}, "$ref beside enum"),
+    ({"type": "string", "enum": ["a", 1]}, "outside type string"),
+    ({"type": "integer", "const": "a"}, "outside type integer"),
+    ({"oneOf": [{"type": "number"}, {"type": "integer", "minimum": 3}]}, "oneOf with members that may overlap"),
+    ({"$ref": "http://example.com/x.json"}, "not a local JSON pointer"),
 ])
 def test_unenforceable_keywords_are_refused(engine, schema, needle):
     """xgrammar 0.2.9 compiles these but lets output break them: refused with where they are."""
@@ -128,6 +137,10 @@ def test_keywords_inside_values_are_not_schema(engine):
     schema = {"type": "object", "properties": {"not": {"type": "string"}, "k": {"enum": [{"not": 1}]},
                                                "u": {"type": "array", "uniqueItems": False}}}
     assert unenforced_keywords(schema) == []
+    for fine in ({"oneOf": [{"type": "string"}, {"type": "integer"}]}, {"oneOf": [{"const": "a"}, {"enum": ["b"]}]},
+                 {"type": "number", "enum": [1, 2.5]}, {"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s"},
+                 {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}):
+        assert unenforced_keywords(fine) == [], fine
 
 
 def test_strict_schema_allows_no_extra_properties(engine):
