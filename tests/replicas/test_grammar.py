@@ -192,4 +192,23 @@ def test_compiled_grammar_cache_is_bounded(engine):
     for i in range(30):
         c.compile(GrammarSpec("regex", f"x{i}[a-z]+"))
     assert 0 < c._cached_bytes <= 20_000 and len(c._cache) < 30
-    assert c.compile(GrammarSpec("regex", "x29[a-z]+")) is c._cache["regex:" + '"x29[a-z]+"']
+    assert c.compile(GrammarSpec("regex", "x29[a-z]+")) is c._cache["regex:" + '"x29[a-z]+"'][0]
+
+
+def test_isolated_cache_counts_grammars_by_their_serialized_size(engine):
+    """xgrammar's memory_size_bytes under-reports a deserialized grammar 20-60x: the cache counts
+    the serialized size, so that its bound is a bound on the process's memory."""
+    import json as _json
+
+    from replicas.grammar import GrammarCompiler, GrammarSpec
+    c = GrammarCompiler(engine.tokenizer, engine.model.config.vocab_size, cache_bytes=64 << 20)
+    try:
+        schema = {"type": "object", "properties": {f"k{i}": {"type": "string", "maxLength": 8} for i in range(6)},
+                  "required": ["k0"]}
+        g = c.compile(GrammarSpec("json_schema", schema))
+        (_, size), = c._cache.values()
+        again = g.serialize_json()  # what the size counts (the compiler process's copy: within bytes)
+        assert size == c._cached_bytes and abs(size - len(again)) < size / 100 and _json.loads(again)
+        assert size > g.memory_size_bytes
+    finally:
+        c.close()
