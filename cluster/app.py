@@ -96,11 +96,11 @@ class LLMServer:
                                       a.control_period_s).start()
 
     async def chat(self, req):
-        async for item in self.server.chat(req):
+        async for item in _errors_as_items(self.server.chat(req)):
             yield item
 
     async def completion(self, req):
-        async for item in self.server.completion(req):
+        async for item in _errors_as_items(self.server.completion(req)):
             yield item
 
     async def health(self) -> None:
@@ -125,6 +125,20 @@ class LLMServer:
     def __del__(self):
         if getattr(self, "agent", None) is not None:
             self.agent.stop()
+
+
+_API_ERROR = "__api_error__"
+
+
+async def _errors_as_items(items):
+    """A request error crosses to the ingress as an item, not as an exception: Ray Serve would log
+    each 4xx as a failed call with its traceback."""
+    from cluster.openai_api import APIError
+    try:
+        async for item in items:
+            yield item
+    except APIError as e:
+        yield {_API_ERROR: [e.status, e.message, e.type, e.param, e.headers]}
 
 
 class EngineClient:
@@ -156,6 +170,13 @@ class EngineClient:
             started = done = False
             try:
                 async for item in gen:
+                    if isinstance(item, dict) and _API_ERROR in item:
+                        error = APIError(*item[_API_ERROR])
+                        if not started:
+                            raise error
+                        yield "data: " + json.dumps({"error": {"message": error.message, "type": error.type,
+                                                               "param": error.param, "code": error.status}}) + "\n\n"
+                        break
                     started = True
                     yield item
                 done = True

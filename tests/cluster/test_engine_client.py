@@ -124,3 +124,27 @@ def test_a_replica_bug_is_a_500_in_the_envelope_or_an_error_event():
         "/v1/chat/completions", json={**CHAT, "stream": True})
     events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
     assert json.loads(events[-1])["error"]["code"] == 500
+
+
+def test_replica_errors_arrive_as_items_not_exceptions():
+    """LLMServer yields a request error as an item (Ray Serve would log a raised 4xx as a failed
+    call with its traceback); the ingress turns it back into the same response."""
+    import asyncio as _asyncio
+
+    from cluster.app import _API_ERROR, _errors_as_items
+
+    async def fails():
+        raise APIError(400, "bad schema", param="response_format")
+        yield  # an async generator
+
+    async def collect():
+        return [x async for x in _errors_as_items(fails())]
+    (item,) = _asyncio.run(collect())
+    r = TestClient(build_app(_client(ScriptedHandle([item])))).post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 400 and r.json()["error"] == {"message": "bad schema", "type": "invalid_request_error",
+                                                          "param": "response_format", "code": 400}
+    late = {_API_ERROR: [503, "engine step failed", "service_unavailable", None, None]}
+    r = TestClient(build_app(_client(ScriptedHandle(['data: {"a": 1}\n\n', late])))).post(
+        "/v1/chat/completions", json={**CHAT, "stream": True})
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert len(events) == 2 and json.loads(events[1])["error"]["code"] == 503
