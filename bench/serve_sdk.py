@@ -214,6 +214,39 @@ def schemas_run(base_url: str, model: str, limit: int | None, concurrency: int, 
     return {k: _summary(v) for k, v in report.items()}
 
 
+def schemas_report(progress: str) -> str:
+    """A Markdown table (per subset: sent, 200, 400, other, finished, valid) from a progress file,
+    with the replica process ids logged after each subset and any notes in it."""
+    from pathlib import Path
+    recs, notes, pids = {}, [], []
+    for line in Path(progress).read_text().splitlines():
+        r = json.loads(line)
+        if "index" in r:
+            recs[(r["subset"], r["index"])] = r
+        elif "replica_pids" in r:
+            pids.append(f"{r['subset']}: {r['replica_pids']}")
+        else:
+            notes.append(r.get("note", json.dumps(r)))
+    by: dict[str, list] = {}
+    for (subset, _), r in sorted(recs.items()):
+        by.setdefault(subset, []).append(r)
+    rows = ["| subset | sent | 200 | 400 | other (5xx, lost) | finished in 16 tokens | of those schema-valid |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    total = _summary([r for v in by.values() for r in v])
+    for subset, v in by.items():
+        s = _summary(v)
+        rows.append(f"| {subset} | {s['schemas']} | {s['200']} | {s['400']} | {s['other']} | {s['finished']} | "
+                    f"{s['finished_valid']} |")
+    rows.append(f"| **all** | {total['schemas']} | {total['200']} | {total['400']} | {total['other']} | "
+                f"{total['finished']} | {total['finished_valid']} |")
+    out = rows + ["", "Engine replica process ids after each subset: " + "; ".join(pids)]
+    if notes:
+        out += ["", "Notes in the log: " + "; ".join(notes)]
+    if total["other_examples"]:
+        out += ["", "Other (first 10): " + json.dumps(total["other_examples"][:10])]
+    return "\n".join(out) + "\n"
+
+
 def _summary(recs: list[dict]) -> dict:
     s = {"schemas": len(recs), "200": 0, "400": 0, "other": 0, "finished": 0, "finished_valid": 0,
          "seconds_sum": round(sum(r.get("seconds", 0) for r in recs), 1), "other_examples": []}
@@ -232,7 +265,7 @@ def _summary(recs: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.serve_sdk", description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("bfcl", "load", "schemas"))
+    ap.add_argument("what", choices=("bfcl", "load", "schemas", "schemas-report"))
     ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     ap.add_argument("--model", default="qwen3-fc-6m")
     ap.add_argument("--categories", nargs="+", default=["simple_python", "multiple"])
@@ -246,6 +279,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.what == "bfcl":
         out = bfcl_run(args.base_url, args.model, args.categories, args.concurrency, args.limit)
+    elif args.what == "schemas-report":
+        print(schemas_report(args.progress), end="")
+        return 0
     elif args.what == "schemas":
         out = schemas_run(args.base_url, args.model, args.limit, args.concurrency, args.progress, args.subsets)
     else:
