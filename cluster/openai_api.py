@@ -251,10 +251,14 @@ class OpenAIServer:
         so, grammar = req.structured_outputs, None
         if so is not None:
             given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(so, k) is not None]
+            if so.json_object:
+                given.append("json_object")
             if len(given) > 1:
-                raise APIError(400, "structured_outputs takes one of json, regex, choice, grammar",
+                raise APIError(400, "structured_outputs takes one of json, regex, choice, grammar, json_object",
                                param="structured_outputs")
-            if given:
+            if given == ["json_object"]:
+                grammar = GrammarSpec("json_object")
+            elif given:
                 kind = {"json_": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf"}[given[0]]
                 value, param = getattr(so, given[0]), f"structured_outputs.{given[0].rstrip('_')}"
                 if kind == "ebnf" and not EBNF_RULE.search(value):
@@ -291,7 +295,7 @@ class OpenAIServer:
             raise APIError(400, str(e), param="tools" if grammar is not None and grammar.kind == "tools"
                            else grammar_param) from None
         except InvalidRequestError as e:
-            raise APIError(400, str(e)) from None
+            raise APIError(400, str(e), param=getattr(e, "param", None)) from None
         except EngineDeadError as e:
             raise APIError(503, str(e), "service_unavailable", headers={"Retry-After": "1"}) from None
         finally:

@@ -145,7 +145,8 @@ class StructuredOutputs(_Body):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = Field(None, description="EBNF grammar (GBNF, `root ::= ...`) or Lark grammar "
-                                "(`start: ...`; told apart by `::=`, as vLLM does).")
+                                "(`start: ...`; told apart by a `name ::=` rule, as vLLM does).")
+    json_object: bool | None = Field(None, description="Any JSON object (vLLM's key).")
 
 
 class CompletionRequest(SamplingFields):

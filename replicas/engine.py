@@ -100,6 +100,11 @@ class LLMEngine:
         self.policy = make_policy(config.kv_policy, **config.kv_policy_args)
         if hasattr(self.policy, "bind_model"):
             self.policy.bind_model(path)
+        if config.kv_budget < 1.0:  # a default budget no prompt can meet is a configuration error
+            try:
+                self.policy.check(self.max_model_len, config.kv_budget, self.kv)
+            except ValueError as e:
+                raise ValueError(f"kv_policy {config.kv_policy!r} cannot serve kv_budget {config.kv_budget}: {e}") from None
         self.generator = torch.Generator().manual_seed(config.seed)
         self._grammar: GrammarCompiler | None = None
         self._seqs: dict[str, Sequence] = {}
@@ -162,21 +167,21 @@ class LLMEngine:
                                       f"of {self.kv.cfg.max_bytes} bytes")
         budget = self.config.kv_budget if kv_budget is None else kv_budget
         if not 0.0 < budget <= 1.0:
-            raise InvalidRequestError(f"kv_budget must be in (0, 1], got {budget}")
+            raise InvalidRequestError(f"kv_budget must be in (0, 1], got {budget}", "kv_budget")
         # A prompt so short that the budget leaves less than one page per layer is served at one
         # page per layer, the least the cache can hold (its usage reports the ratio it got).
         budget = max(budget, 1.0 / math.ceil(len(ids) / self.kv.cfg.block_size))
         try:
             self.policy.check(len(ids), budget, self.kv)
         except ValueError as e:
-            raise InvalidRequestError(str(e)) from None
+            raise InvalidRequestError(str(e), "kv_budget") from None
         labels, floor = None, 0.0
         if getattr(self.policy, "needs_tags", False):
             labels = prompt_labels(self.tokenizer, ids)
             try:
                 self.policy.check_prompt(labels, budget, self.kv)
             except ValueError as e:
-                raise InvalidRequestError(str(e)) from None
+                raise InvalidRequestError(str(e), "kv_budget") from None
             floor = self.policy.prompt_floor(labels, self.kv)
         matcher = self.grammar.matcher(grammar) if grammar is not None else None
         seq = Sequence(request_id, ids, params, matcher=matcher, kv_budget=budget, requested_budget=budget,

@@ -2,7 +2,12 @@
 
 
 class InvalidRequestError(ValueError):
-    """A request the engine refuses before doing any work: the message says what and where."""
+    """A request the engine refuses before doing any work: the message says what and where;
+    ``param`` names the request field at fault when there is one (``kv_budget``, ``prompt``)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class GrammarCompileError(InvalidRequestError):

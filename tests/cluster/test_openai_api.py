@@ -248,6 +248,12 @@ def test_new_user_findings_second_trial(app):
     assert r.status_code == 400 and "given twice" in r.json()["error"]["message"]
     r = call(app, "POST", "/v1/chat/completions", chat(temperature=None, top_p=None, stream=None, n=None, max_tokens=2))
     assert r.status_code == 200, r.text
+    r = call(app, "POST", "/v1/completions", {"model": MODEL, "prompt": "Data:", "max_tokens": 6,
+                                              "structured_outputs": {"json_object": True}})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("{"), r.text
+    r = call(app, "POST", "/v1/chat/completions", chat(kv_budget=0.5, max_tokens=2, messages=[
+        {"role": "user", "content": "a fairly long question about the weather in several cities " * 3}]))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_budget", r.text  # full KV cannot compress
 
 
 def _nested(n):
