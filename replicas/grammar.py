@@ -127,8 +127,92 @@ def _disjoint_members(members: list) -> bool:
     return len(set(keys)) == len(keys)
 
 
+def _atom_end(p: str, i: int) -> int:
+    """Index just past the regex atom starting at ``p[i]`` (an escape, a class, a group, a char)."""
+    if p[i] == "\\":
+        return min(i + 2, len(p))
+    if p[i] == "[":
+        j = i + 1
+        if j < len(p) and p[j] == "^":
+            j += 1
+        if j < len(p) and p[j] == "]":
+            j += 1
+        while j < len(p) and p[j] != "]":
+            j += 2 if p[j] == "\\" else 1
+        return min(j + 1, len(p))
+    if p[i] == "(":
+        depth, j = 0, i
+        while j < len(p):
+            if p[j] == "\\":
+                j += 2
+                continue
+            if p[j] == "[":
+                j = _atom_end(p, j)
+                continue
+            depth += p[j] == "("
+            depth -= p[j] == ")"
+            j += 1
+            if depth == 0:
+                return j
+        return len(p)
+    return i + 1
+
+
+def _may_repeat_zero(p: str, i: int) -> bool:
+    return i < len(p) and (p[i] in "*?" or p.startswith("{0", i) or p.startswith("{,", i))
+
+
+def optional_group_starting_optional(pattern: str) -> bool:
+    """Whether ``pattern`` has a group that may be skipped (``(...)?``, ``(...)*``) whose body, or
+    one of its alternatives, starts with an atom that may be empty (``(\\s*\\+json)?``). xgrammar
+    0.2.9 then accepts the empty-able atom alone: ``^v(x*j)?$`` accepted ``"vx"`` (seen in a
+    JSONSchemaBench MIME-type pattern: output ``"video/s_data "`` broke it)."""
+    i = 0
+    while i < len(pattern):
+        if pattern[i] == "\\":
+            i += 2
+            continue
+        if pattern[i] == "[":
+            i = _atom_end(pattern, i)
+            continue
+        if pattern[i] == "(":
+            end = _atom_end(pattern, i)
+            if _may_repeat_zero(pattern, end):
+                body = pattern[i + 1:end - 1]
+                if body.startswith("?:") or body.startswith("?<") and not body.startswith("?<=") and not body.startswith("?<!"):
+                    body = body[2:] if body.startswith("?:") else body[body.find(">") + 1:]
+                depth, start, alts = 0, 0, []
+                j = 0
+                while j < len(body):
+                    ch = body[j]
+                    if ch == "\\":
+                        j += 2
+                        continue
+                    if ch == "[":
+                        j = _atom_end(body, j)
+                        continue
+                    if ch == "(":
+                        depth += 1
+                    elif ch == ")":
+                        depth -= 1
+                    elif ch == "|" and depth == 0:
+                        alts.append(body[start:j])
+                        start = j + 1
+                    j += 1
+                alts.append(body[start:])
+                for alt in alts:
+                    if alt and _may_repeat_zero(alt, _atom_end(alt, 0)):
+                        return True
+            i += 1
+            continue
+        i += 1
+    return False
+
+
 def _dropped_constraints(node: dict, where: str) -> list[str]:
     found = []
+    if isinstance(node.get("pattern"), str) and optional_group_starting_optional(node["pattern"]):
+        found.append(f"pattern with an optional group that starts with an optional atom at {where}")
     siblings = [k for k in _CONSTRAINTS if k in node]
     for comb in ("anyOf", "oneOf", "allOf", "$ref"):
         if comb in node and siblings:

@@ -119,6 +119,8 @@ def test_every_bfcl_ground_truth_passes_schema_and_grammar():
     ({"type": "integer", "const": "a"}, "outside type integer"),
     ({"oneOf": [{"type": "number"}, {"type": "integer", "minimum": 3}]}, "oneOf with members that may overlap"),
     ({"$ref": "http://example.com/x.json"}, "not a local JSON pointer"),
+    # JSONSchemaBench Github_trivial #243 over HTTP: "video/s_data " came out for a MIME pattern.
+    ({"type": "string", "pattern": "^v(?:\\s*\\+json)?$"}, "optional group that starts with an optional atom"),
 ])
 def test_unenforceable_keywords_are_refused(engine, schema, needle):
     """xgrammar 0.2.9 compiles these but lets output break them: refused with where they are."""
@@ -139,7 +141,8 @@ def test_keywords_inside_values_are_not_schema(engine):
     assert unenforced_keywords(schema) == []
     for fine in ({"oneOf": [{"type": "string"}, {"type": "integer"}]}, {"oneOf": [{"const": "a"}, {"enum": ["b"]}]},
                  {"type": "number", "enum": [1, 2.5]}, {"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s"},
-                 {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}):
+                 {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                 {"type": "string", "pattern": "^[a-z]+(\\.[a-z]+)*$"}, {"type": "string", "pattern": "^v(ab)?$"}):
         assert unenforced_keywords(fine) == [], fine
 
 
@@ -212,3 +215,22 @@ def test_isolated_cache_counts_grammars_by_their_serialized_size(engine):
         assert size > g.memory_size_bytes
     finally:
         c.close()
+
+
+def test_optional_group_detector():
+    from replicas.grammar import optional_group_starting_optional as f
+    assert f(r"^v(x*j)?$") and f(r"^(a|b*c)*$") and f(r"^(\d{0,3}x)?$") and f(r"^v(?:\s*\+(json))?$")
+    assert not any(f(p) for p in (r"^v(ab)?$", r"^vx*j$", r"^v(x*j)$", r"^(\d{1,3}x)?$", r"^([(]x*)?$",
+                                  r"^(?:[a-z\d][\w!#$&^.-]+)+$"))
+
+
+def test_pattern_optional_group_really_breaks_in_xgrammar(engine):
+    """Keeps the refusal honest: if a later xgrammar accepts only matching strings, this fails and
+    the refusal can go."""
+    import json as _json
+
+    import xgrammar as xgr
+    c = xgr.GrammarCompiler(engine.grammar.info)
+    m = xgr.GrammarMatcher(c.compile_json_schema(_json.dumps({"type": "string", "pattern": "^v(x*j)?$"}),
+                                                 any_whitespace=False))
+    assert m.accept_string('"vx"') and (m.is_terminated() or m.accept_token(engine.tokenizer.eos_token_id))
