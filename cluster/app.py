@@ -159,12 +159,11 @@ class EngineClient:
 
     async def open(self, kind: str, req):
         import asyncio
-        import json
 
         from ray.exceptions import RayActorError, RayTaskError
         from ray.serve.exceptions import ReplicaUnavailableError
 
-        from cluster.openai_api import APIError
+        from cluster.openai_api import APIError, error_event
         for attempt in range(self.retries + 1):
             gen = self.handle.options(stream=True, method_name=kind).remote(req)
             started = done = False
@@ -174,8 +173,7 @@ class EngineClient:
                         error = APIError(*item[_API_ERROR])
                         if not started:
                             raise error
-                        yield "data: " + json.dumps({"error": {"message": error.message, "type": error.type,
-                                                               "param": error.param, "code": error.status}}) + "\n\n"
+                        yield error_event(error)
                         break
                     started = True
                     yield item
@@ -187,18 +185,15 @@ class EngineClient:
                 if isinstance(cause, APIError) and not started:
                     raise cause from None
                 if started:  # the stream is under way: end it with an error event
-                    status = cause.status if isinstance(cause, APIError) else 500
-                    message = cause.message if isinstance(cause, APIError) else f"internal error: {type(cause).__name__}"
-                    yield "data: " + json.dumps({"error": {"message": message, "type": "internal_server_error",
-                                                           "param": None, "code": status}}) + "\n\n"
+                    yield error_event(cause if isinstance(cause, APIError) else APIError(
+                        500, f"internal error: {type(cause).__name__}", "internal_server_error"))
                     return
                 raise
             except (RayActorError, ReplicaUnavailableError) as e:
                 done = True
                 lost = f"the replica serving this request failed ({type(e).__name__}); retry"
                 if started:  # a stream was cut: end it with an error event the client can see
-                    yield "data: " + json.dumps({"error": {"message": lost, "type": "service_unavailable",
-                                                           "param": None, "code": 503}}) + "\n\n"
+                    yield error_event(APIError(503, lost, "service_unavailable"))
                     return
                 if attempt == self.retries:
                     raise APIError(503, lost, "service_unavailable",

@@ -45,10 +45,19 @@ class APIError(Exception):
         return (type(self), (self.status, self.message, self.type, self.param, self.headers))
 
 
+def error_body(status: int, message: str, type_: str, param: str | None = None) -> dict:
+    """The OpenAI error envelope."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": status}}
+
+
 def error_response(status: int, message: str, type_: str, param: str | None = None,
                    headers: dict | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, type_, param), status_code=status, headers=headers)
+
+
+def error_event(e: "APIError") -> str:
+    """A final server-sent event that ends a stream with ``e`` in the error envelope."""
+    return _sse(error_body(e.status, e.message, e.type, e.param))
 
 
 class APIMetrics:
@@ -583,7 +592,7 @@ async def _chat_stream(server, rid, created, model, first, stream, parse_tools):
                 yield _sse({**base, "choices": [{"index": 0, "delta": {"content": visible[sent:]}, "finish_reason": None}]})
                 sent = len(visible)
     except APIError as e:
-        yield _sse({"error": {"message": e.message, "type": e.type, "code": e.status}})
+        yield error_event(e)
         return
     message, has_calls = _message(out, parse_tools)
     if has_calls:
@@ -607,7 +616,7 @@ async def _completion_stream(server, rid, created, model, first, stream):
                 yield _sse({**base, "choices": [{"index": 0, "text": out.text[sent:], "finish_reason": None}]})
                 sent = len(out.text)
     except APIError as e:
-        yield _sse({"error": {"message": e.message, "type": e.type, "code": e.status}})
+        yield error_event(e)
         return
     yield _sse({**base, "choices": [{"index": 0, "text": "", "finish_reason": _finish_reason(out, False)}],
                 "usage": server.usage(out)})

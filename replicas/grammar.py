@@ -10,6 +10,7 @@ argument schema and ``tool_choice`` auto / required / none / named.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import re
 import time
@@ -162,50 +163,41 @@ def _may_repeat_zero(p: str, i: int) -> bool:
     return i < len(p) and (p[i] in "*?" or p.startswith("{0", i) or p.startswith("{,", i))
 
 
+def _top_level_atoms(p: str):
+    """(start, end) of each top-level atom of ``p`` (a group counts as one)."""
+    i = 0
+    while i < len(p):
+        j = _atom_end(p, i)
+        yield i, j
+        i = j
+
+
 def optional_group_starting_optional(pattern: str) -> bool:
     """Whether ``pattern`` has a group that may be skipped (``(...)?``, ``(...)*``) whose body, or
     one of its alternatives, starts with an atom that may be empty (``(\\s*\\+json)?``). xgrammar
     0.2.9 then accepts the empty-able atom alone: ``^v(x*j)?$`` accepted ``"vx"`` (seen in a
     JSONSchemaBench MIME-type pattern: output ``"video/s_data "`` broke it)."""
-    i = 0
-    while i < len(pattern):
-        if pattern[i] == "\\":
-            i += 2
-            continue
-        if pattern[i] == "[":
-            i = _atom_end(pattern, i)
-            continue
-        if pattern[i] == "(":
-            end = _atom_end(pattern, i)
-            if _may_repeat_zero(pattern, end):
-                body = pattern[i + 1:end - 1]
-                if body.startswith("?:") or body.startswith("?<") and not body.startswith("?<=") and not body.startswith("?<!"):
-                    body = body[2:] if body.startswith("?:") else body[body.find(">") + 1:]
-                depth, start, alts = 0, 0, []
-                j = 0
-                while j < len(body):
-                    ch = body[j]
-                    if ch == "\\":
-                        j += 2
-                        continue
-                    if ch == "[":
-                        j = _atom_end(body, j)
-                        continue
-                    if ch == "(":
-                        depth += 1
-                    elif ch == ")":
-                        depth -= 1
-                    elif ch == "|" and depth == 0:
-                        alts.append(body[start:j])
-                        start = j + 1
-                    j += 1
+    stack = [pattern]  # group bodies still to look into (no recursion: nesting is the client's)
+    while stack:
+        p = stack.pop()
+        for i, j in _top_level_atoms(p):
+            if p[i] != "(":
+                continue
+            body = p[i + 1:j - 1]
+            if body.startswith("?:"):
+                body = body[2:]
+            elif body.startswith("?<") and body[2:3] not in ("=", "!"):  # a named group
+                body = body[body.find(">") + 1:]
+            if _may_repeat_zero(p, j):
+                alts, start = [], 0
+                for k, m in _top_level_atoms(body):
+                    if body[k] == "|":
+                        alts.append(body[start:k])
+                        start = m
                 alts.append(body[start:])
-                for alt in alts:
-                    if alt and _may_repeat_zero(alt, _atom_end(alt, 0)):
-                        return True
-            i += 1
-            continue
-        i += 1
+                if any(alt and _may_repeat_zero(alt, _atom_end(alt, 0)) for alt in alts):
+                    return True
+            stack.append(body)
     return False
 
 
@@ -300,13 +292,18 @@ def _compile_with(compiler, spec: GrammarSpec):
     return compiler.compile_structural_tag(tag)
 
 
+@functools.lru_cache(maxsize=1)
+def _libc():
+    import ctypes
+    return ctypes.CDLL("libc.so.6")
+
+
 def _trim_heap() -> None:
     """Hand freed heap memory back to the OS (glibc ``malloc_trim``). Deserializing a large
     grammar allocates and frees hundreds of MB in small blocks that glibc otherwise keeps: without
     it a process that deserialized 60 Github_hard grammars (none kept) held 2.4 GiB, with it 0.5."""
     try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        _libc().malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
 
