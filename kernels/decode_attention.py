@@ -22,6 +22,7 @@ import math
 import os
 
 import torch
+import torch.nn.functional as F
 
 from kernels.quantize import dequantize_ref
 
@@ -68,52 +69,92 @@ def _workspace(name: str, shape: tuple, dtype: torch.dtype, device: torch.device
     return buf[:numel].view(shape)
 
 
+# Sequences are attended in equal chunks whose gathered keys and values (float32) take about this
+# many bytes, so a chunk is still in the last-level cache when attention reads it back. Measured on
+# this project's 2-core EPYC (32 MiB L3), batch 8, 6 layers, medians of decode steps: at 3,840
+# tokens of context one 31 MiB gather per layer took 24-25 ms a step, two chunks of 4 sequences
+# 15.7-16.4 ms; 8 and 16 MiB chunks were equal at 2,048 and 3,840 tokens; chunks of one sequence
+# were slower again (call overhead).
+GATHER_CHUNK_BYTES = 16 << 20
+
+
 def paged_decode_attention_ref(q, k, v, k_scale, v_scale, block_table, lens, bits: int,
                                sm_scale: float | None = None, need_lse: bool = True):
-    """Plain-torch reference (gathers the pages into a reused buffer, dequantizes, masked softmax,
-    one KV head at a time). With ``need_lse=False`` (nothing to merge with) the log-sum-exp is
-    not computed: one softmax instead of logsumexp + exp, and ``lse`` comes back as None."""
+    """Plain-torch reference (gathers each chunk of sequences' pages into a reused buffer,
+    dequantizes, masked softmax, one KV head at a time). With ``need_lse=False`` (nothing to merge
+    with) the log-sum-exp is not computed: one softmax instead of logsumexp + exp, and ``lse``
+    comes back as None."""
     _check(q, k, v, k_scale, v_scale, block_table, lens, bits)
     b, hq, d = q.shape
     bs, hkv = k.shape[1], k.shape[2]
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
-    max_len = int(lens.max()) if b else 0
     out = torch.zeros(b, hq, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, hq), float("-inf"), dtype=torch.float32, device=q.device)
-    if max_len == 0:
-        return out, lse
+    lens_list = lens.tolist()
+    if not b or max(lens_list) == 0:
+        return out, (lse if need_lse else None)
+    qg = q.float().view(b, hkv, hq // hkv, d)
+    token_bytes = 2 * hkv * d * 4                    # gathered K and V of one token, float32
+    # Equal chunks of consecutive sequences, as few as keep each under GATHER_CHUNK_BYTES.
+    num_chunks = max(1, min(b, -(-sum(lens_list) * token_bytes // GATHER_CHUNK_BYTES)))
+    size = -(-b // num_chunks)
+    for start in range(0, b, size):
+        stop = min(b, start + size)
+        max_len = max(lens_list[start:stop])
+        if max_len:
+            o, l = _attend_chunk(qg[start:stop], k, v, k_scale, v_scale, block_table[start:stop],
+                                 lens[start:stop], lens_list[start:stop], max_len, bits, sm_scale, need_lse)
+            out[start:stop] = o.view(stop - start, hq, d)
+            if need_lse:
+                lse[start:stop] = l.view(stop - start, hq)
+    return out, (lse if need_lse else None)
+
+
+def _attend_chunk(qg, k, v, k_scale, v_scale, block_table, lens, lens_list, max_len: int, bits: int,
+                  sm_scale: float, need_lse: bool):
+    """Attention of ``qg [c, Hkv, G, D]`` float32 over the first ``max_len`` (> 0) kept entries
+    of c sequences. Returns ``out [c, Hkv, G, D]`` and ``lse [c, Hkv, G]`` (None without
+    ``need_lse``)."""
+    c, hkv, g, d = qg.shape
+    bs = k.shape[1]
     num_pages = -(-max_len // bs)
     pages = block_table[:, :num_pages].long()
 
     def gather(pool, scale, name):
-        shape = (b * num_pages,) + tuple(pool.shape[1:])
+        shape = (c * num_pages,) + tuple(pool.shape[1:])
         x = torch.index_select(pool, 0, pages.reshape(-1), out=_workspace(name, shape, pool.dtype, pool.device))
-        x = x.view(b, num_pages * bs, *pool.shape[2:])[:, :max_len]    # [B, T, Hkv, Dk]
+        x = x.view(c, num_pages * bs, *pool.shape[2:])[:, :max_len]    # [c, T, Hkv, Dk]
         if bits:
             x = dequantize_ref(x, scale[pages].flatten(1, 2)[:, :max_len], bits)
         return x.float()
 
-    keys, values = gather(k, k_scale, "k"), gather(v, v_scale, "v")       # [B, T, Hkv, D]
-    g = hq // hkv
-    qg = q.float().view(b, hkv, g, d)
-    valid = torch.arange(max_len, device=q.device)[None, :] < lens[:, None].to(q.device)
-    out = torch.empty(b, hkv, g, d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(b, hkv, g, dtype=torch.float32, device=q.device)
-    # One KV head at a time: [B, T, D] slices of the gathered pages are strided matrices that bmm
+    keys, values = gather(k, k_scale, "k"), gather(v, v_scale, "v")       # [c, T, Hkv, D]
+    ragged = min(lens_list) < max_len
+    if not need_lse:
+        mask = None
+        if ragged:
+            mask = (torch.arange(max_len, device=qg.device)[None, :] < lens[:, None].to(qg.device))[:, None, None, :]
+        o = F.scaled_dot_product_attention(qg.reshape(c, hkv * g, 1, d), keys.transpose(1, 2), values.transpose(1, 2),
+                                           attn_mask=mask, scale=sm_scale, enable_gqa=True)
+        return o.view(c, hkv, g, d).nan_to_num_(0.0), None
+    out = torch.empty(c, hkv, g, d, dtype=torch.float32, device=qg.device)
+    lse = torch.empty(c, hkv, g, dtype=torch.float32, device=qg.device) if need_lse else None
+    if ragged:
+        valid = torch.arange(max_len, device=qg.device)[None, :] < lens[:, None].to(qg.device)
+    # One KV head at a time: [c, T, D] slices of the gathered pages are strided matrices that bmm
     # reads in place, where one einsum over all heads copied the whole context again.
-    ragged = bool((lens < max_len).any())
     for h in range(hkv):
-        scores = torch.bmm(qg[:, h], keys[:, :, h].transpose(1, 2)).mul_(sm_scale)   # [B, G, T]
+        scores = torch.bmm(qg[:, h], keys[:, :, h].transpose(1, 2)).mul_(sm_scale)   # [c, G, T]
         if ragged:
             scores.masked_fill_(~valid[:, None, :], float("-inf"))
         if need_lse:
-            row_lse = torch.logsumexp(scores, dim=-1)                               # [B, G]
+            row_lse = torch.logsumexp(scores, dim=-1)                               # [c, G]
             probs = torch.exp(scores - row_lse[..., None]).nan_to_num_(0.0)
             lse[:, h] = row_lse
         else:
             probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # an empty row (len 0): zeros
         out[:, h] = torch.bmm(probs, values[:, :, h])
-    return out.reshape(b, hq, d), (lse.reshape(b, hq) if need_lse else None)
+    return out, lse
 
 
 def merge_attention_states(outs, lses, return_lse: bool = False):

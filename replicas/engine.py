@@ -58,6 +58,16 @@ def build_rank(config: EngineConfig, rank: int, world_size: int, port: int, addr
     return ModelRunner(model, kv, device), kv
 
 
+def _detokenizer(tokenizer):
+    """``ids -> text`` without special tokens, run on every sequence every step. The Rust
+    tokenizer itself where transformers' ``decode`` adds nothing but a Python pass over the ids
+    (0.26 ms a step at batch 8 by the 256th token); ``decode`` where it cleans up spaces."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    return lambda ids: backend.decode(ids, skip_special_tokens=True)
+
+
 def _tagger_for(grammar: GrammarSpec | None) -> StructuralTagger:
     """The structural tagger matching a request's output format."""
     if grammar is not None and grammar.kind == "tools":
@@ -94,6 +104,7 @@ class LLMEngine:
             self.runner = tp.MirroredRunner(self.runner, broadcaster)
         mc = self.model.config
         self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self._detokenize = _detokenizer(self.tokenizer)
         self.eos_token_ids = set(mc.eos_token_ids) | self._generation_eos(path)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
@@ -332,7 +343,7 @@ class LLMEngine:
             seq.matcher.accept_token(token)
         stop_token = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
         visible = seq.output_token_ids[:-1] if stop_token else seq.output_token_ids
-        seq.text = self.tokenizer.decode(visible, skip_special_tokens=True)
+        seq.text = self._detokenize(visible)
         hits = [i for i in (seq.text.find(s) for s in p.stop) if i >= 0]
         if hits:
             seq.text = seq.text[: min(hits)]

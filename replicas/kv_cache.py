@@ -155,6 +155,7 @@ class SequenceKV:
         self.entries = [{p: _Entries() for p in BITS} for _ in range(num_layers)]
         self.where: list[dict[int, int]] = [{} for _ in range(num_layers)]
         self.next_position = [0] * num_layers  # positions only grow: released ones never return
+        self.bytes = 0                             # its pages and their block-table entries
 
 
 class KVCache:
@@ -172,8 +173,20 @@ class KVCache:
 
     def sequence_bytes(self, seq_id) -> int:
         """Bytes held by one sequence: its pages and their block-table entries."""
-        kv = self.seqs[seq_id]
-        return sum(len(e.pages) * self.page_cost(p) for layer in kv.entries for p, e in layer.items())
+        return self.seqs[seq_id].bytes
+
+    def next_token_bytes(self, seq_id) -> int:
+        """Bytes the next decode token of a sequence may need: a HIGH page in each layer whose
+        HIGH pages are full, and a LOW (INT8-sized) page in each layer with a full LOW pool, where
+        a policy may demote into."""
+        bs, high, low = self.cfg.block_size, self.page_cost(Precision.HIGH), self.page_cost(Precision.INT8)
+        need = 0
+        for layer in self.seqs[seq_id].entries:
+            if len(layer[Precision.HIGH].positions) % bs == 0:
+                need += high
+            if len(layer[Precision.INT8].positions) % bs == 0 or len(layer[Precision.INT4].positions) % bs == 0:
+                need += low
+        return need
 
     def full_kv_bytes(self, num_tokens: int) -> int:
         """Bytes that full KV (HIGH, all layers) would hold for ``num_tokens`` tokens."""
@@ -204,10 +217,10 @@ class KVCache:
         for layer in kv.entries:
             for prec, e in layer.items():
                 self.pools[prec].free_pages.extend(e.pages)
-                self.bytes_used -= len(e.pages) * self.page_cost(prec)
+        self.bytes_used -= kv.bytes
 
     # ------------------------------------------------------------------ writes
-    def _reserve(self, e: _Entries, prec: Precision, num_slots: int) -> None:
+    def _reserve(self, kv: SequenceKV, e: _Entries, prec: Precision, num_slots: int) -> None:
         bs = self.cfg.block_size
         need = math.ceil(num_slots / bs) - len(e.pages)
         if need <= 0:
@@ -219,13 +232,14 @@ class KVCache:
         pool = self.pools[prec]
         e.pages.extend(pool.alloc() for _ in range(need))
         self.bytes_used += cost
+        kv.bytes += cost
 
     def _write(self, seq_id, layer: int, positions: list[int], k: torch.Tensor, v: torch.Tensor,
                prec: Precision) -> None:
         kv = self.seqs[seq_id]
         e, where = kv.entries[layer][prec], kv.where[layer]
         start = len(e.positions)
-        self._reserve(e, prec, start + len(positions))
+        self._reserve(kv, e, prec, start + len(positions))
         slots = range(start, start + len(positions))
         flat = e.flat_slots(slots, self.cfg.block_size, self.cfg.device)
         pool = self.pools[prec]
@@ -298,7 +312,7 @@ class KVCache:
         for kv, pos in zip(kvs, positions):
             e = kv.entries[layer][high]
             slot = len(e.positions)
-            self._reserve(e, high, slot + 1)
+            self._reserve(kv, e, high, slot + 1)
             flat.append(e.pages[slot // bs] * bs + slot % bs)
             e.positions.append(pos)
             kv.where[layer][pos] = _loc(high, slot)
@@ -336,6 +350,7 @@ class KVCache:
         del e.pages[keep_pages:]
         self.pools[prec].free_pages.extend(freed)
         self.bytes_used -= len(freed) * self.page_cost(prec)
+        kv.bytes -= len(freed) * self.page_cost(prec)
 
     def _read(self, seq_id, layer: int, prec: Precision, slots: list[int]):
         pool = self.pools[prec]
@@ -380,7 +395,7 @@ class KVCache:
         if precision != Precision.RELEASED:
             target = kv.entries[layer][precision]
             total = len(target.positions) + sum(len(s) for s in by_source.values())
-            self._reserve(target, precision, total)
+            self._reserve(kv, target, precision, total)
         for prec, slots in by_source.items():
             if precision != Precision.RELEASED:
                 k, v = self._read(seq_id, layer, prec, slots)
@@ -424,9 +439,7 @@ class KVCache:
                 active.append((pool, entries, lens))
         for pool, entries, lens in active:
             width = max(len(e.pages) for e in entries)
-            table = torch.zeros(len(seq_ids), width, dtype=torch.int32)
-            for i, e in enumerate(entries):
-                table[i, : len(e.pages)] = torch.tensor(e.pages, dtype=torch.int32)
+            table = torch.tensor([e.pages + [0] * (width - len(e.pages)) for e in entries], dtype=torch.int32)
             out, lse = kernels.paged_decode_attention(
                 q, pool.k, pool.v, pool.k_scale, pool.v_scale, table.to(self.cfg.device),
                 torch.tensor(lens, dtype=torch.int32, device=self.cfg.device), pool.bits, sm_scale,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from replicas.kv_cache import KVCache, Precision
+from replicas.kv_cache import KVCache
 from replicas.sequence import Sequence, SequenceStatus
 
 
@@ -62,18 +62,6 @@ class Scheduler:
             self.waiting.remove(seq)
         self.kv.free_sequence(seq.request_id)
 
-    def _decode_bytes(self, seq: Sequence) -> int:
-        """Bytes the next decode token of ``seq`` may need: a new HIGH page in layers whose HIGH
-        pages are full, and a new LOW page where the policy demotes it into a full LOW pool."""
-        kv, bs = self.kv, self.kv.cfg.block_size
-        need = 0
-        for layer in range(kv.cfg.num_layers):
-            if kv.num_kept(seq.request_id, layer, Precision.HIGH) % bs == 0:
-                need += kv.page_cost(Precision.HIGH)
-            if any(kv.num_kept(seq.request_id, layer, p) % bs == 0 for p in (Precision.INT8, Precision.INT4)):
-                need += kv.page_cost(Precision.INT8)
-        return need
-
     def preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s KV cache and put it first in the waiting queue (recompute later)."""
         if seq in self.running:
@@ -85,7 +73,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        reserve = sum(self._decode_bytes(s) for s in self.running)
+        reserve = sum(self.kv.next_token_bytes(s.request_id) for s in self.running)
         budget_tokens = self.cfg.max_num_batched_tokens
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
@@ -104,7 +92,7 @@ class Scheduler:
         if out.prefill:
             return out
         while self.running:
-            need = sum(self._decode_bytes(s) for s in self.running)
+            need = sum(self.kv.next_token_bytes(s.request_id) for s in self.running)
             if need <= self.kv.bytes_free or len(self.running) == 1:
                 break
             victim = self.running.pop()

@@ -86,9 +86,13 @@ def dense_reference(q, dense_k, dense_v, table, lens, bs):
 CASES = [([5], 4, 1, 1, 8), ([1, 17, 0, 9], 4, 6, 3, 12), ([33, 2], 16, 8, 2, 32), ([6, 6, 6], 5, 6, 6, 16)]
 
 
+@pytest.mark.parametrize("chunk_bytes", [None, 1, 6000])
 @pytest.mark.parametrize("bits", [0, 8, 4])
 @pytest.mark.parametrize("lens,bs,hq,hkv,d", CASES)
-def test_reference_matches_float64_dense(bits, lens, bs, hq, hkv, d):
+def test_reference_matches_float64_dense(bits, lens, bs, hq, hkv, d, chunk_bytes, monkeypatch):
+    """Also with the batch split into chunks: one sequence each (1 byte), or two (6,000 bytes: [1, 17] and [0, 9] in the second case)."""
+    if chunk_bytes is not None:
+        monkeypatch.setattr(kernels.decode_attention, "GATHER_CHUNK_BYTES", chunk_bytes)
     table, pool, dense = make_pool(lens, bs, hkv, d, bits)
     q = torch.randn(len(lens), hq, d)
     out, lse = paged_decode_attention_ref(q, *pool, table, torch.tensor(lens, dtype=torch.int32), bits)

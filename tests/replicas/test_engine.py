@@ -135,3 +135,16 @@ def test_duplicate_request_id(engine, chat_prompts):
         engine.add_request("dup", chat_prompts[0])
     while engine.has_unfinished():
         engine.step()
+
+
+def test_fast_detokenizer_equals_transformers_decode(engine):
+    """The per-step text comes from the Rust tokenizer directly; it must equal transformers'
+    ``decode`` (special tokens, byte fallback, partial UTF-8 sequences included)."""
+    tok = engine.tokenizer
+    g = torch.Generator().manual_seed(0)
+    special = sorted(tok.all_special_ids)
+    for n in (1, 2, 7, 64):
+        for _ in range(20):
+            ids = torch.randint(0, len(tok), (n,), generator=g).tolist()
+            ids[0] = special[int(torch.randint(0, len(special), (1,), generator=g))] if n > 1 else ids[0]
+            assert engine._detokenize(ids) == tok.decode(ids, skip_special_tokens=True)

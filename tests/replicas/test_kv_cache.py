@@ -150,3 +150,47 @@ def test_append_decode_equals_per_sequence_appends_and_is_all_or_nothing():
     with pytest.raises(KVCacheOutOfMemory):
         tight.append_decode(["x", "y"], 0, [4, 4], k[:2], v[:2])
     assert tight.num_kept("x", 0) == tight.num_kept("y", 0) == 4 and tight.bytes_used == 2 * page
+
+
+def pages_bytes(c, seq):
+    """A sequence's bytes recounted from its page lists."""
+    return sum(len(e.pages) * c.page_cost(p) for layer in c.seqs[seq].entries for p, e in layer.items())
+
+
+def test_byte_counters_match_pages_under_random_operations():
+    """Appends, decode appends, demotions, releases and frees in random order: the per-sequence
+    counters always equal the pages held, and a decode append never takes more bytes than
+    ``next_token_bytes`` promised the scheduler."""
+    rng = torch.Generator().manual_seed(3)
+    c = cache(max_bytes=1 << 24)
+    live, nxt, made = [], {}, 0
+    for step in range(300):
+        op = int(torch.randint(0, 5, (1,), generator=rng))
+        if op == 0 or not live:
+            made += 1
+            sid = f"s{made}"
+            c.add_sequence(sid)
+            n = int(torch.randint(1, 12, (1,), generator=rng))
+            fill(c, sid, n)
+            live.append(sid)
+            nxt[sid] = n
+        elif op == 1:
+            promised = sum(c.next_token_bytes(s) for s in live)
+            before = c.bytes_used
+            k, v = torch.randn(len(live), 2, 8), torch.randn(len(live), 2, 8)
+            for layer in range(c.cfg.num_layers):
+                c.append_decode(live, layer, [nxt[s] for s in live], k, v)
+            assert c.bytes_used - before <= promised
+            for s in live:
+                nxt[s] += 1
+        elif op in (2, 3):
+            sid = live[int(torch.randint(0, len(live), (1,), generator=rng))]
+            layer = int(torch.randint(0, c.cfg.num_layers, (1,), generator=rng))
+            kept = sorted(c.kept(sid, layer))
+            chosen = [p for p in kept if torch.rand(1, generator=rng) < 0.4]
+            c.set_precision(sid, layer, chosen, Precision.RELEASED if op == 3 else Precision.INT8)
+        else:
+            c.free_sequence(live.pop(int(torch.randint(0, len(live), (1,), generator=rng))))
+        for s in live:
+            assert c.sequence_bytes(s) == pages_bytes(c, s), (step, s)
+        assert c.bytes_used == sum(c.sequence_bytes(s) for s in live)
