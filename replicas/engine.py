@@ -18,6 +18,7 @@ import torch
 
 from models import resolve_checkpoint
 from replicas.config import EngineConfig
+from replicas.detokenizer import IncrementalDetokenizer
 from replicas.errors import InvalidRequestError
 from replicas.grammar import GrammarCompiler, GrammarSpec
 from replicas.kv_cache import KVCache, KVCacheConfig, KVCacheOutOfMemory, Precision
@@ -199,6 +200,7 @@ class LLMEngine:
                        floor_budget=floor,
                        generator=torch.Generator().manual_seed(params.seed) if params.seed is not None else None)
         seq.kv_budget = self._effective_budget(seq)
+        seq.detokenizer = IncrementalDetokenizer(self._detokenize)
         if getattr(self.policy, "needs_tags", False):
             seq.policy_state["tagger"] = _tagger_for(grammar)
             seq.policy_state["prompt_labels"] = labels
@@ -342,16 +344,22 @@ class LLMEngine:
         if seq.matcher is not None and not seq.matcher.is_terminated():
             seq.matcher.accept_token(token)
         stop_token = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
-        visible = seq.output_token_ids[:-1] if stop_token else seq.output_token_ids
-        seq.text = self._detokenize(visible)
+        if not stop_token:   # a stop token is not part of the text
+            seq.detokenizer.add(token)
+        seq.text = seq.detokenizer.text
         hits = [i for i in (seq.text.find(s) for s in p.stop) if i >= 0]
         if hits:
             seq.text = seq.text[: min(hits)]
             self._finish(seq, "stop")
-        elif stop_token or (seq.matcher is not None and seq.matcher.is_terminated()):
-            self._finish(seq, "stop")
+            return RequestOutput.of(seq)
+        reason = None
+        if stop_token or (seq.matcher is not None and seq.matcher.is_terminated()):
+            reason = "stop"
         elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            self._finish(seq, "length")
+            reason = "length"
+        if reason:
+            seq.text = seq.detokenizer.flush()   # with a character cut off by the end, if any
+            self._finish(seq, reason)
         return RequestOutput.of(seq)
 
     def _finish(self, seq: Sequence, reason: str) -> None:

@@ -62,6 +62,7 @@ class Sequence:
     generator: torch.Generator | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
     policy_state: dict = field(default_factory=dict)  # owned by the KV policy (tags, scores ...)
+    detokenizer: Any = None                   # replicas.detokenizer.IncrementalDetokenizer
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -77,6 +77,18 @@ def test_streaming_chat_deltas_join_to_full_text(app):
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
 
 
+def test_streaming_characters_split_across_tokens(app):
+    """The byte-level vocabulary spells "é" and "☃" with several tokens each; a stream must carry
+    the characters, not the U+FFFD that a partial decode shows (it once did and never fixed it)."""
+    want = "café ☃"
+    body = {"model": MODEL, "prompt": "Say:", "max_tokens": 16, "structured_outputs": {"choice": [want]}}
+    r = call(app, "POST", "/v1/completions", {**body, "stream": True})
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    texts = [c["choices"][0]["text"] for c in chunks]
+    assert "".join(texts) == want and not any("\ufffd" in t for t in texts), texts
+    assert call(app, "POST", "/v1/completions", body).json()["choices"][0]["text"] == want
+
+
 def test_streaming_tool_calls(app):
     r = call(app, "POST", "/v1/chat/completions", chat(tools=[WEATHER], tool_choice="required", stream=True))
     chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
