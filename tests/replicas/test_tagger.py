@@ -82,3 +82,27 @@ def test_never_fails_on_any_text(text):
     assert all(0 <= bucket_of(tag) < NUM_BUCKETS for tag in tags)
     if text.startswith("plain"):
         assert {tag.role for tag in tags} <= {Role.FREE_TEXT, Role.WHITESPACE}
+
+
+def test_real_tokens_with_characters_split_across_tokens():
+    """Fed as the engine feeds it (each token of the real byte-level vocabulary decoded alone), a
+    value whose characters span several tokens ("ü", "☃" decode as U+FFFD piece by piece) is
+    tagged as the value throughout, and the tagger stays in step for the keys after it."""
+    from transformers import AutoTokenizer
+    from models import resolve_checkpoint
+    tok = AutoTokenizer.from_pretrained(resolve_checkpoint())
+    text = chat.render_answer([{"name": "get_weather", "arguments": {"city": "Zürich ☃", "days": 2}}])
+    assert "Zürich ☃" in text  # written as UTF-8, not \\u escapes
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    pieces = [tok.decode([i]) for i in ids]
+    assert sum("\ufffd" in p for p in pieces) >= 2
+    got = tag_pieces(StructuralTagger(TOOLS, near_k=0), pieces)
+    # Each token's byte offset (byte-level BPE: one symbol of the token string per byte).
+    raw = text.encode()
+    sizes = [len(t) for t in tok.convert_ids_to_tokens(ids)]
+    assert sum(sizes) == len(raw)
+    spans = [sum(sizes[:k]) for k in range(len(ids))]
+    start, end = raw.index("Zürich ☃".encode()), raw.index("Zürich ☃".encode()) + len("Zürich ☃".encode())
+    inside = [g for s, g in zip(spans, got) if start <= s < end]
+    assert inside and set(inside) == {"string_required"}, inside
+    assert got[[p.strip('" ') for p in pieces].index("days")] == "arg_key_optional"
