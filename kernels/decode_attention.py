@@ -80,10 +80,10 @@ GATHER_CHUNK_BYTES = 16 << 20
 
 def paged_decode_attention_ref(q, k, v, k_scale, v_scale, block_table, lens, bits: int,
                                sm_scale: float | None = None, need_lse: bool = True):
-    """Plain-torch reference (gathers each chunk of sequences' pages into a reused buffer,
-    dequantizes, masked softmax, one KV head at a time). With ``need_lse=False`` (nothing to merge
-    with) the log-sum-exp is not computed: one softmax instead of logsumexp + exp, and ``lse``
-    comes back as None."""
+    """Plain-torch reference: gathers each chunk of sequences' pages (:data:`GATHER_CHUNK_BYTES`)
+    into a reused buffer, dequantizes, then a masked softmax one KV head at a time. With
+    ``need_lse=False`` (nothing to merge with) the log-sum-exp is not needed and a chunk is one
+    PyTorch SDPA call (its fused CPU kernel), and ``lse`` comes back as None."""
     _check(q, k, v, k_scale, v_scale, block_table, lens, bits)
     b, hq, d = q.shape
     bs, hkv = k.shape[1], k.shape[2]
@@ -114,7 +114,7 @@ def _attend_chunk(qg, k, v, k_scale, v_scale, block_table, lens, lens_list, max_
                   sm_scale: float, need_lse: bool):
     """Attention of ``qg [c, Hkv, G, D]`` float32 over the first ``max_len`` (> 0) kept entries
     of c sequences. Returns ``out [c, Hkv, G, D]`` and ``lse [c, Hkv, G]`` (None without
-    ``need_lse``)."""
+    ``need_lse``; an empty row gives zeros and ``-inf``)."""
     c, hkv, g, d = qg.shape
     bs = k.shape[1]
     num_pages = -(-max_len // bs)
@@ -138,7 +138,7 @@ def _attend_chunk(qg, k, v, k_scale, v_scale, block_table, lens, lens_list, max_
                                            attn_mask=mask, scale=sm_scale, enable_gqa=True)
         return o.view(c, hkv, g, d).nan_to_num_(0.0), None
     out = torch.empty(c, hkv, g, d, dtype=torch.float32, device=qg.device)
-    lse = torch.empty(c, hkv, g, dtype=torch.float32, device=qg.device) if need_lse else None
+    lse = torch.empty(c, hkv, g, dtype=torch.float32, device=qg.device)
     if ragged:
         valid = torch.arange(max_len, device=qg.device)[None, :] < lens[:, None].to(qg.device)
     # One KV head at a time: [c, T, D] slices of the gathered pages are strided matrices that bmm
@@ -147,12 +147,9 @@ def _attend_chunk(qg, k, v, k_scale, v_scale, block_table, lens, lens_list, max_
         scores = torch.bmm(qg[:, h], keys[:, :, h].transpose(1, 2)).mul_(sm_scale)   # [c, G, T]
         if ragged:
             scores.masked_fill_(~valid[:, None, :], float("-inf"))
-        if need_lse:
-            row_lse = torch.logsumexp(scores, dim=-1)                               # [c, G]
-            probs = torch.exp(scores - row_lse[..., None]).nan_to_num_(0.0)
-            lse[:, h] = row_lse
-        else:
-            probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # an empty row (len 0): zeros
+        row_lse = torch.logsumexp(scores, dim=-1)                                   # [c, G]
+        probs = torch.exp(scores - row_lse[..., None]).nan_to_num_(0.0)   # an empty row: zeros
+        lse[:, h] = row_lse
         out[:, h] = torch.bmm(probs, values[:, :, h])
     return out, lse
 
