@@ -28,7 +28,8 @@ from replicas.async_engine import AsyncLLMEngine, EngineDeadError
 from replicas.errors import GrammarCompileError, InvalidRequestError
 from replicas.grammar import GrammarSpec
 from replicas.sampling_params import SamplingParams
-from replicas.sequence import RequestOutput
+from replicas.detokenizer import IncrementalDetokenizer
+from replicas.sequence import RequestOutput, TokenLogprob
 
 
 EBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w.-]*\s*::=", re.MULTILINE)
@@ -141,6 +142,7 @@ class OpenAIServer:
         self.api_key = api_key or None
         self.metrics = APIMetrics(model_name)
         self.tokenizer = engine.engine.tokenizer
+        self.logprobs = LogprobFormatter(self.tokenizer)
         self.pending = 0
 
     # ------------------------------------------------------------------ request -> engine
@@ -191,7 +193,8 @@ class OpenAIServer:
             seen.add(name)
             self._check_schema(t.function.parameters, f"tools[{i}].function.parameters")
 
-    def _sampling(self, req: SamplingFields, max_tokens: int | None, num_prompt: int) -> SamplingParams:
+    def _sampling(self, req: SamplingFields, max_tokens: int | None, num_prompt: int,
+                  logprobs: int | None = None) -> SamplingParams:
         context = self.engine.engine.max_model_len
         room = context - num_prompt
         if room < 1:
@@ -203,7 +206,8 @@ class OpenAIServer:
                                 f"{self.limits.max_stop_chars} characters", param="stop")
         try:
             return SamplingParams(max_tokens=max_tokens or min(room, 1024), temperature=req.temperature,
-                                  top_p=req.top_p, seed=req.seed, stop=stop, ignore_eos=req.ignore_eos)
+                                  top_p=req.top_p, seed=req.seed, stop=stop, ignore_eos=req.ignore_eos,
+                                  logprobs=logprobs)
         except InvalidRequestError as e:
             raise APIError(400, str(e)) from None
 
@@ -247,7 +251,10 @@ class OpenAIServer:
                                   strict=bool(req.response_format.json_schema.strict))
         elif req.response_format and req.response_format.type == "json_object":
             grammar = GrammarSpec("json_object")
-        params = self._sampling(req, req.max_completion_tokens or req.max_tokens, len(ids))
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        params = self._sampling(req, req.max_completion_tokens or req.max_tokens, len(ids),
+                                (req.top_logprobs or 0) if req.logprobs else None)
         return ids, params, grammar, parse_tools
 
     def completion_request(self, req: CompletionRequest):
@@ -285,7 +292,7 @@ class OpenAIServer:
                     for text in (value if isinstance(value, list) else [value]):
                         _check_text(text, param)
                 grammar = GrammarSpec(kind, value)
-        return ids, self._sampling(req, req.max_tokens, len(ids)), grammar
+        return ids, self._sampling(req, req.max_tokens, len(ids), req.logprobs), grammar
 
     # ------------------------------------------------------------------ running
     async def run(self, ids, params, grammar, kv_budget, grammar_param: str = "response_format"
@@ -333,7 +340,7 @@ class OpenAIServer:
         message, has_calls = _message(out, parse_tools)
         yield {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
                "choices": [{"index": 0, "message": message, "finish_reason": _finish_reason(out, has_calls),
-                            "logprobs": None}], "usage": self.usage(out)}
+                            "logprobs": self.logprobs.chat(out.logprobs)}], "usage": self.usage(out)}
 
     async def completion(self, req: CompletionRequest) -> AsyncIterator[dict | str]:
         """Answer one text completion, as :meth:`chat` does."""
@@ -350,7 +357,7 @@ class OpenAIServer:
             pass
         yield {"id": rid, "object": "text_completion", "created": created, "model": req.model,
                "choices": [{"index": 0, "text": out.text, "finish_reason": _finish_reason(out, False),
-                            "logprobs": None}], "usage": self.usage(out)}
+                            "logprobs": self.logprobs.completion(out.logprobs)}], "usage": self.usage(out)}
 
     def open(self, kind: str, req) -> AsyncIterator[dict | str]:
         """The frontend interface of :func:`build_app`: ``kind`` is ``chat`` or ``completion``."""
@@ -412,6 +419,53 @@ def _json_or_text(arguments: str) -> Any:
         return json.loads(arguments)
     except (TypeError, json.JSONDecodeError):
         return arguments
+
+
+class LogprobFormatter:
+    """Log-probabilities in OpenAI's two shapes. Each token is shown as it decodes alone (a piece
+    of a character split across tokens shows as U+FFFD), as vLLM shows it; ``bytes`` are that
+    text's UTF-8 bytes."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _top(self, token_id: int, logprob: float) -> dict:
+        text = self._text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def chat(self, entries: list[TokenLogprob] | None) -> dict | None:
+        """``choices[].logprobs`` of a chat completion (or chunk): ``{"content": [...]}``."""
+        if entries is None:
+            return None
+        return {"content": [{**self._top(e.token_id, e.logprob), "top_logprobs": [self._top(i, lp) for i, lp in e.top]}
+                            for e in entries], "refusal": None}
+
+    def completion(self, entries: list[TokenLogprob] | None, offsets: "TextOffsets | None" = None) -> dict | None:
+        """``choices[].logprobs`` of a text completion: tokens, token_logprobs, top_logprobs
+        (token text -> logprob) and text_offset (characters; ``offsets`` carries the position
+        over the chunks of a stream)."""
+        if entries is None:
+            return None
+        offsets = offsets or TextOffsets(self.tokenizer)
+        return {"tokens": [self._text(e.token_id) for e in entries],
+                "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self._text(i): lp for i, lp in e.top} for e in entries],
+                "text_offset": [offsets.next(e.token_id) for e in entries]}
+
+
+class TextOffsets:
+    """Where each next token's text starts in the output text (characters)."""
+
+    def __init__(self, tokenizer):
+        self._detok = IncrementalDetokenizer(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+
+    def next(self, token_id: int) -> int:
+        at = len(self._detok.text)
+        self._detok.add(token_id)
+        return at
 
 
 def _finish_reason(out: RequestOutput, has_calls: bool) -> str:
@@ -583,13 +637,23 @@ async def _outputs(first, stream):
 async def _chat_stream(server, rid, created, model, first, stream, parse_tools):
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
-    sent, out = 0, first
+    sent, lp_sent, out = 0, 0, first
+
+    def logprobs(out):
+        """The log-probabilities not sent yet (tokens whose text is held back go with a later chunk)."""
+        nonlocal lp_sent
+        if out.logprobs is None:
+            return {}
+        entries, lp_sent = out.logprobs[lp_sent:], len(out.logprobs)
+        return {"logprobs": server.logprobs.chat(entries)}
+
     try:
         async for out in _outputs(first, stream):
             # Text before a tool call streams as content; tool calls go out whole once parsed.
             visible = _streamable(out.text) if parse_tools else out.text
             if len(visible) > sent:
-                yield _sse({**base, "choices": [{"index": 0, "delta": {"content": visible[sent:]}, "finish_reason": None}]})
+                yield _sse({**base, "choices": [{"index": 0, "delta": {"content": visible[sent:]}, "finish_reason": None,
+                                                 **logprobs(out)}]})
                 sent = len(visible)
     except APIError as e:
         yield error_event(e)
@@ -598,26 +662,38 @@ async def _chat_stream(server, rid, created, model, first, stream, parse_tools):
     if has_calls:
         deltas = [{"index": i, "id": c["id"], "type": "function", "function": c["function"]}
                   for i, c in enumerate(message["tool_calls"])]
-        yield _sse({**base, "choices": [{"index": 0, "delta": {"tool_calls": deltas}, "finish_reason": None}]})
+        yield _sse({**base, "choices": [{"index": 0, "delta": {"tool_calls": deltas}, "finish_reason": None,
+                                         **logprobs(out)}]})
     elif len(message["content"] or "") > sent:
         yield _sse({**base, "choices": [{"index": 0, "delta": {"content": message["content"][sent:]},
-                                         "finish_reason": None}]})
-    yield _sse({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": _finish_reason(out, has_calls)}],
+                                         "finish_reason": None, **logprobs(out)}]})
+    yield _sse({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": _finish_reason(out, has_calls),
+                                     **(logprobs(out) if out.logprobs is not None and lp_sent < len(out.logprobs) else {})}],
                 "usage": server.usage(out)})
     yield "data: [DONE]\n\n"
 
 
 async def _completion_stream(server, rid, created, model, first, stream):
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
-    sent, out = 0, first
+    sent, lp_sent, out, offsets = 0, 0, first, TextOffsets(server.tokenizer)
+
+    def logprobs(out):
+        nonlocal lp_sent
+        if out.logprobs is None:
+            return {}
+        entries, lp_sent = out.logprobs[lp_sent:], len(out.logprobs)
+        return {"logprobs": server.logprobs.completion(entries, offsets)}
+
     try:
         async for out in _outputs(first, stream):
             if len(out.text) > sent:
-                yield _sse({**base, "choices": [{"index": 0, "text": out.text[sent:], "finish_reason": None}]})
+                yield _sse({**base, "choices": [{"index": 0, "text": out.text[sent:], "finish_reason": None,
+                                                 **logprobs(out)}]})
                 sent = len(out.text)
     except APIError as e:
         yield error_event(e)
         return
-    yield _sse({**base, "choices": [{"index": 0, "text": "", "finish_reason": _finish_reason(out, False)}],
+    yield _sse({**base, "choices": [{"index": 0, "text": "", "finish_reason": _finish_reason(out, False),
+                                     **(logprobs(out) if out.logprobs is not None and lp_sent < len(out.logprobs) else {})}],
                 "usage": server.usage(out)})
     yield "data: [DONE]\n\n"

@@ -114,7 +114,7 @@ class SamplingFields(_Body):
     def _null_is_default(cls, data: Any) -> Any:
         """An explicit null means the default, as OpenAI and vLLM take it (clients send nulls)."""
         if isinstance(data, dict):
-            nullable = ("temperature", "top_p", "n", "stream", "parallel_tool_calls", "ignore_eos")
+            nullable = ("temperature", "top_p", "n", "stream", "parallel_tool_calls", "ignore_eos", "logprobs")
             data = {k: v for k, v in data.items() if not (v is None and k in nullable)}
         return data
 
@@ -138,6 +138,10 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = Field(False, description="Return each output token's log-probability (the model's "
+                           "distribution, before the grammar mask and the temperature).")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="Most likely alternatives per token "
+                                     "(needs `logprobs`).")
 
 
 class StructuredOutputs(_Body):
@@ -153,6 +157,8 @@ class CompletionRequest(SamplingFields):
     model: str
     prompt: str | list[int] = Field(description="Text, or token ids.")
     structured_outputs: StructuredOutputs | None = None
+    logprobs: int | None = Field(None, ge=0, le=20, description="Return each output token's log-probability "
+                                 "with this many most likely alternatives.")
 
 
 class Usage(BaseModel):
@@ -171,11 +177,26 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCall] | None = Field(None, description="Present when the model called tools.")
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = Field(description="UTF-8 bytes of `token`.")
+
+
+class TokenLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobEntry] | None
+    refusal: None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: Literal["stop", "length", "tool_calls"]
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = Field(None, description="With `logprobs`: one entry per generated token.")
 
 
 class ChatCompletionResponse(BaseModel):
@@ -189,11 +210,18 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int] = Field(description="Where each token's text starts in `text` (characters).")
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: Literal["stop", "length"]
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = Field(None, description="With `logprobs`: one entry per generated token.")
 
 
 class CompletionResponse(BaseModel):

@@ -29,7 +29,7 @@ from replicas.policy import DecodeView, KVAction, PrefillView
 from replicas.sampler import sample
 from replicas.sampling_params import SamplingParams
 from replicas.scheduler import Scheduler, SchedulerConfig
-from replicas.sequence import RequestOutput, Sequence, SequenceStatus
+from replicas.sequence import RequestOutput, Sequence, SequenceStatus, TokenLogprob
 from replicas.prompt_labels import prompt_labels
 from replicas.tagger import StructuralTagger, bucket_of
 
@@ -273,9 +273,25 @@ class LLMEngine:
             return []
         seqs = sched.prefill or sched.decode
         logits = self._prefill(seqs) if sched.prefill else self._decode(seqs)
+        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        raw = torch.log_softmax(logits[want], dim=-1) if want else None  # before mask and temperature
         self.grammar_mask(logits, seqs)
         tokens = sample(logits, seqs, self.generator)
+        for row, i in enumerate(want):
+            self._record_logprob(seqs[i], raw[row], tokens[i])
         return [self._postprocess(s, t) for s, t in zip(seqs, tokens)]
+
+    @staticmethod
+    def _record_logprob(seq: Sequence, logprobs: torch.Tensor, token: int) -> None:
+        """Keep the sampled token's log-probability and the top ``params.logprobs`` alternatives
+        from ``logprobs [vocab]`` (a -inf is reported as -9999.0, as vLLM does: JSON has no -inf)."""
+        k = seq.params.logprobs
+        values, ids = logprobs.topk(k) if k else (logprobs[:0], logprobs[:0].long())
+        finite = lambda x: x if x > -9999.0 else -9999.0  # noqa: E731
+        top = tuple((int(i), finite(float(v))) for i, v in zip(ids.tolist(), values.tolist()))
+        if seq.logprobs is None:
+            seq.logprobs = []
+        seq.logprobs.append(TokenLogprob(token, finite(float(logprobs[token])), top))
 
     def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         rows = []

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from replicas.errors import InvalidRequestError
 
+MAX_LOGPROBS = 20   # most alternatives per token (OpenAI's top_logprobs limit)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -19,6 +21,10 @@ class SamplingParams:
         stop: strings that end generation (not included in the output text).
         stop_token_ids: extra token ids that end generation.
         ignore_eos: keep generating past EOS (benchmarks).
+        logprobs: return each generated token's log-probability with this many most likely
+            alternatives (0 to ``MAX_LOGPROBS``); None returns none. The log-probabilities are the
+            model's own distribution, before the grammar mask and the temperature (vLLM's
+            default, "raw" log-probabilities).
     Raises:
         InvalidRequestError: a value out of range.
     """
@@ -29,6 +35,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -37,6 +44,8 @@ class SamplingParams:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty strings")
         object.__setattr__(self, "stop", tuple(self.stop))

@@ -6,11 +6,19 @@ import copy
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from replicas.sampling_params import SamplingParams
+
+
+class TokenLogprob(NamedTuple):
+    """A generated token's log-probability and the most likely alternatives at its step,
+    ``top`` as (token id, log-probability) pairs, most likely first."""
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 class SequenceStatus(enum.Enum):
@@ -63,6 +71,7 @@ class Sequence:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
     policy_state: dict = field(default_factory=dict)  # owned by the KV policy (tags, scores ...)
     detokenizer: Any = None                   # replicas.detokenizer.IncrementalDetokenizer
+    logprobs: list[TokenLogprob] | None = None  # one per output token, when params.logprobs is set
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -87,8 +96,10 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     metrics: RequestMetrics
+    logprobs: list[TokenLogprob] | None = None   # one per token id, when asked for
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestOutput":
         return cls(seq.request_id, seq.text, list(seq.output_token_ids), seq.is_finished,
-                   seq.finish_reason, len(seq.prompt_token_ids), copy.copy(seq.metrics))
+                   seq.finish_reason, len(seq.prompt_token_ids), copy.copy(seq.metrics),
+                   None if seq.logprobs is None else list(seq.logprobs))

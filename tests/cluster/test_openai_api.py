@@ -273,3 +273,53 @@ def _nested(n):
     for _ in range(n):
         s = {"type": "object", "properties": {"a": s}}
     return s
+
+
+def _stream_chunks(app, path, body):
+    r = call(app, "POST", path, {**body, "stream": True})
+    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+
+def test_chat_logprobs_stream_and_whole_agree(app):
+    body = chat(max_tokens=10, logprobs=True, top_logprobs=2)
+    r = call(app, "POST", "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert len(content) == r.json()["usage"]["completion_tokens"]
+    for e in content:
+        assert e["logprob"] <= 0 and len(e["top_logprobs"]) == 2
+        assert e["top_logprobs"][0]["logprob"] >= e["top_logprobs"][1]["logprob"]
+        assert e["bytes"] == list(e["token"].encode())
+        assert e["top_logprobs"][0]["token"] == e["token"]   # greedy: the chosen token is the top one
+    streamed = [e for c in _stream_chunks(app, "/v1/chat/completions", body)
+                for e in (c["choices"][0].get("logprobs") or {}).get("content") or []]
+    assert streamed == content
+    plain = call(app, "POST", "/v1/chat/completions", chat(max_tokens=4)).json()
+    assert plain["choices"][0]["logprobs"] is None
+    bad = call(app, "POST", "/v1/chat/completions", chat(top_logprobs=2))
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_logprobs"
+    assert call(app, "POST", "/v1/chat/completions", chat(logprobs=True, top_logprobs=21)).status_code == 400
+
+
+def test_completion_logprobs_with_offsets(app):
+    want = "café ☃"
+    body = {"model": MODEL, "prompt": "Say:", "max_tokens": 16, "logprobs": 3,
+            "structured_outputs": {"choice": [want]}}
+    r = call(app, "POST", "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"] == want and len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"])
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    assert all(len(t) <= 3 for t in lp["top_logprobs"])
+    # Offsets point at each token's text: the ASCII tokens of "caf" sit where they decode; the
+    # end-of-turn token closing the choice is listed with its name and adds no text.
+    assert lp["tokens"][-1] == "<|im_end|>" and lp["text_offset"][-1] == len(want)
+    for tok, at in zip(lp["tokens"][:-1], lp["text_offset"]):
+        if tok.isascii():
+            assert want[at:at + len(tok)] == tok
+    chunks = _stream_chunks(app, "/v1/completions", body)
+    joined = {k: [x for c in chunks for x in (c["choices"][0].get("logprobs") or {}).get(k, [])] for k in lp}
+    assert joined == lp
+    assert call(app, "POST", "/v1/completions", {**body, "logprobs": -1}).status_code == 400

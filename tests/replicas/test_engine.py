@@ -148,3 +148,35 @@ def test_fast_detokenizer_equals_transformers_decode(engine):
             ids = torch.randint(0, len(tok), (n,), generator=g).tolist()
             ids[0] = special[int(torch.randint(0, len(special), (1,), generator=g))] if n > 1 else ids[0]
             assert engine._detokenize(ids) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_logprobs_are_the_models_distribution(engine, chat_prompts):
+    """Each generated token's log-probability and its top-k alternatives equal log_softmax of
+    transformers' logits at that step (greedy: the chosen token is the top one); under a grammar
+    they are still the model's own distribution, not the masked one."""
+    from transformers import AutoModelForCausalLM
+    from models import resolve_checkpoint
+    from replicas.grammar import GrammarSpec
+    hf = AutoModelForCausalLM.from_pretrained(resolve_checkpoint(), dtype=torch.float32).eval()
+    ids = chat_prompts[0]
+    outs = engine.generate([ids, ids], SamplingParams(max_tokens=16, ignore_eos=True, logprobs=3),
+                           grammars=[None, GrammarSpec("choice", ["zebra crossing"])])
+    for out in outs:
+        assert len(out.logprobs) == len(out.token_ids)
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids + out.token_ids])).logits[0, len(ids) - 1:-1]
+        want = torch.log_softmax(logits.float(), -1)
+        for step, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+            assert entry.token_id == tok
+            assert entry.logprob == pytest.approx(float(want[step, tok]), abs=1e-4)
+            top_v, top_i = want[step].topk(3)
+            assert [i for i, _ in entry.top] == top_i.tolist()
+            assert [lp for _, lp in entry.top] == pytest.approx(top_v.tolist(), abs=1e-4)
+    greedy, forced = outs
+    assert all(e.top[0][0] == e.token_id for e in greedy.logprobs)
+    assert forced.text == "zebra crossing"
+    assert any(e.top[0][0] != e.token_id for e in forced.logprobs)   # the grammar overrode the model
+    no = engine.generate([ids], SamplingParams(max_tokens=2))[0]
+    assert no.logprobs is None
+    with pytest.raises(InvalidRequestError, match="logprobs"):
+        SamplingParams(logprobs=21)
