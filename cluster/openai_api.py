@@ -207,6 +207,8 @@ class OpenAIServer:
         try:
             return SamplingParams(max_tokens=max_tokens or min(room, 1024), temperature=req.temperature,
                                   top_p=req.top_p, seed=req.seed, stop=stop, ignore_eos=req.ignore_eos,
+                                  top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+                                  presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                                   logprobs=logprobs)
         except InvalidRequestError as e:
             raise APIError(400, str(e)) from None

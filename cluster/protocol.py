@@ -114,13 +114,19 @@ class SamplingFields(_Body):
     def _null_is_default(cls, data: Any) -> Any:
         """An explicit null means the default, as OpenAI and vLLM take it (clients send nulls)."""
         if isinstance(data, dict):
-            nullable = ("temperature", "top_p", "n", "stream", "parallel_tool_calls", "ignore_eos", "logprobs")
+            nullable = ("temperature", "top_p", "n", "stream", "parallel_tool_calls", "ignore_eos", "logprobs",
+                        "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
             data = {k: v for k, v in data.items() if not (v is None and k in nullable)}
         return data
 
     max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 = greedy (the model's default).")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="Sample among the k most likely tokens (0 or -1: all).")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens under min_p x the top token's probability.")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="> 1 discourages prompt and output tokens.")
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="Sampling seed (64-bit).")
     stop: str | list[str] | None = None
     n: Literal[1] = Field(1, description="Only one choice per request is supported.")

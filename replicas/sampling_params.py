@@ -21,6 +21,11 @@ class SamplingParams:
         stop: strings that end generation (not included in the output text).
         stop_token_ids: extra token ids that end generation.
         ignore_eos: keep generating past EOS (benchmarks).
+        top_k: sample among the k most likely tokens only (0 or -1: all).
+        min_p: drop tokens less than ``min_p`` times as likely as the most likely one (0: none).
+        repetition_penalty: > 1 discourages any token of the prompt or output (1: none).
+        presence_penalty, frequency_penalty: in [-2, 2]; subtracted from an output token's logit
+            once, and per occurrence (0: none).
         logprobs: return each generated token's log-probability with this many most likely
             alternatives (0 to ``MAX_LOGPROBS``); None returns none. The log-probabilities are the
             model's own distribution, before the grammar mask and the temperature (vLLM's
@@ -35,6 +40,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     logprobs: int | None = None
 
     def __post_init__(self):
@@ -44,6 +54,15 @@ class SamplingParams:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise InvalidRequestError(f"top_k must be an integer >= -1 (-1 or 0: all tokens), got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise InvalidRequestError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -54,3 +73,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -323,3 +323,17 @@ def test_completion_logprobs_with_offsets(app):
     joined = {k: [x for c in chunks for x in (c["choices"][0].get("logprobs") or {}).get(k, [])] for k in lp}
     assert joined == lp
     assert call(app, "POST", "/v1/completions", {**body, "logprobs": -1}).status_code == 400
+
+
+def test_penalties_and_truncation_sampling_fields(app):
+    """vLLM's sampling fields are taken (they were silently ignored) and checked."""
+    base = chat(max_tokens=12, ignore_eos=True)
+    plain = call(app, "POST", "/v1/chat/completions", base).json()["choices"][0]["message"]["content"]
+    r = call(app, "POST", "/v1/chat/completions", {**base, "frequency_penalty": 2.0, "repetition_penalty": 3.0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] != plain
+    sampled = {**base, "temperature": 1.0, "top_k": 1, "min_p": 0.5, "seed": 3}
+    assert call(app, "POST", "/v1/chat/completions", sampled).json()["choices"][0]["message"]["content"] == plain
+    for field, value in (("top_k", -2), ("min_p", 2), ("presence_penalty", 3), ("repetition_penalty", 0)):
+        bad = call(app, "POST", "/v1/chat/completions", {**base, field: value})
+        assert bad.status_code == 400 and field in bad.text, (field, bad.text)
