@@ -205,13 +205,17 @@ class OpenAIServer:
             raise APIError(400, f"stop takes at most {self.limits.max_stop} strings of at most "
                                 f"{self.limits.max_stop_chars} characters", param="stop")
         try:
+            bias = tuple((int(t), b) for t, b in (req.logit_bias or {}).items())
+        except ValueError:
+            raise APIError(400, "logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
+        try:
             return SamplingParams(max_tokens=max_tokens or min(room, 1024), temperature=req.temperature,
                                   top_p=req.top_p, seed=req.seed, stop=stop, ignore_eos=req.ignore_eos,
                                   top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
                                   presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                                  logprobs=logprobs)
+                                  logit_bias=bias, logprobs=logprobs)
         except InvalidRequestError as e:
-            raise APIError(400, str(e)) from None
+            raise APIError(400, str(e), param=e.param) from None
 
     def chat_request(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams, GrammarSpec | None, bool]:
         """Prompt ids, sampling, grammar, and whether tool calls are parsed from the output."""

@@ -115,7 +115,8 @@ class SamplingFields(_Body):
         """An explicit null means the default, as OpenAI and vLLM take it (clients send nulls)."""
         if isinstance(data, dict):
             nullable = ("temperature", "top_p", "n", "stream", "parallel_tool_calls", "ignore_eos", "logprobs",
-                        "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+                        "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                        "logit_bias")
             data = {k: v for k, v in data.items() if not (v is None and k in nullable)}
         return data
 
@@ -127,6 +128,8 @@ class SamplingFields(_Body):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="> 1 discourages prompt and output tokens.")
+    logit_bias: dict[str, float] | None = Field(None, description="Token id (as a string) -> bias in [-100, 100], "
+                                                "added to the logits.")
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="Sampling seed (64-bit).")
     stop: str | list[str] | None = None
     n: Literal[1] = Field(1, description="Only one choice per request is supported.")

@@ -170,6 +170,9 @@ class LLMEngine:
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"prompt has token ids outside [0, {vocab}): {bad[:5]}")
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise InvalidRequestError(f"logit_bias has token ids outside [0, {vocab}): {bad[:5]}", "logit_bias")
         total = len(ids) + params.max_tokens
         if total > self.max_model_len:
             raise InvalidRequestError(f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) "

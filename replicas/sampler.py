@@ -10,7 +10,8 @@ from replicas.sequence import Sequence
 
 
 def apply_penalties(logits: torch.Tensor, seq: Sequence) -> None:
-    """Penalize, in place, ``logits [vocab]`` for the tokens ``seq`` has seen.
+    """Add the request's ``logit_bias`` to ``logits [vocab]`` and penalize the tokens ``seq``
+    has seen, in place.
 
     repetition_penalty r (the CTRL paper's, as Hugging Face and vLLM apply it): a prompt or output
     token's logit is divided by r when positive and multiplied by r when not. presence_penalty p
@@ -18,6 +19,9 @@ def apply_penalties(logits: torch.Tensor, seq: Sequence) -> None:
     it occurred.
     """
     p, vocab = seq.params, logits.shape[-1]
+    if p.logit_bias:
+        ids, bias = zip(*p.logit_bias)
+        logits[list(ids)] += torch.tensor(bias, dtype=logits.dtype)
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(seq.prompt_token_ids) | set(seq.output_token_ids)), dtype=torch.long)
         x = logits[seen]

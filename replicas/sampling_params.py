@@ -26,6 +26,8 @@ class SamplingParams:
         repetition_penalty: > 1 discourages any token of the prompt or output (1: none).
         presence_penalty, frequency_penalty: in [-2, 2]; subtracted from an output token's logit
             once, and per occurrence (0: none).
+        logit_bias: (token id, bias) pairs added to the logits before anything else (OpenAI's
+            ``logit_bias``; bias in [-100, 100]).
         logprobs: return each generated token's log-probability with this many most likely
             alternatives (0 to ``MAX_LOGPROBS``); None returns none. The log-probabilities are the
             model's own distribution, before the grammar mask and the temperature (vLLM's
@@ -45,6 +47,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
 
     def __post_init__(self):
@@ -63,6 +66,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in dict(self.logit_bias).items()))
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias):
+            raise InvalidRequestError("logit_bias maps token ids >= 0 to biases in [-100, 100]", "logit_bias")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -76,4 +82,5 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))

@@ -337,3 +337,12 @@ def test_penalties_and_truncation_sampling_fields(app):
     for field, value in (("top_k", -2), ("min_p", 2), ("presence_penalty", 3), ("repetition_penalty", 0)):
         bad = call(app, "POST", "/v1/chat/completions", {**base, field: value})
         assert bad.status_code == 400 and field in bad.text, (field, bad.text)
+
+
+def test_logit_bias(app, engine):
+    body = {"model": MODEL, "prompt": "Say:", "max_tokens": 3, "ignore_eos": True, "logit_bias": {"88": 100}}
+    x = call(app, "POST", "/v1/completions", {**body, "logprobs": 0}).json()
+    assert x["choices"][0]["logprobs"]["tokens"] == [engine.tokenizer.decode([88])] * 3
+    for bias, needle in (({"x": 1}, "token ids"), ({"999999": 1}, "outside"), ({"5": 500}, "logit_bias")):
+        bad = call(app, "POST", "/v1/completions", {"model": MODEL, "prompt": "Say:", "logit_bias": bias})
+        assert bad.status_code == 400 and needle in bad.text and bad.json()["error"]["param"] == "logit_bias", bad.text

@@ -53,3 +53,11 @@ def test_top_k_top_p_min_p_restrict_the_support():
 def test_bad_values_are_refused(kw):
     with pytest.raises(InvalidRequestError, match=next(iter(kw))):
         SamplingParams(**kw)
+
+
+def test_logit_bias_is_added_first():
+    logits = torch.tensor([[5.0, 4.0, 0.0]])
+    assert sample(logits.clone(), [seq(logit_bias={2: 100.0})], torch.Generator()) == [2]
+    assert sample(logits.clone(), [seq(logit_bias=((0, -100.0),))], torch.Generator()) == [1]
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        SamplingParams(logit_bias={1: 101.0})
