@@ -204,16 +204,17 @@ class OpenAIServer:
         if len(stop) > self.limits.max_stop or any(len(x) > self.limits.max_stop_chars for x in stop):
             raise APIError(400, f"stop takes at most {self.limits.max_stop} strings of at most "
                                 f"{self.limits.max_stop_chars} characters", param="stop")
-        try:
-            bias = tuple((int(t), b) for t, b in (req.logit_bias or {}).items())
-        except ValueError:
-            raise APIError(400, "logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
+        keys = list(req.logit_bias or {})
+        if any(not (k.isascii() and k.isdigit()) for k in keys) or len({int(k) for k in keys}) < len(keys):
+            raise APIError(400, "logit_bias keys must be distinct token ids written as decimal digits", param="logit_bias")
+        bias = tuple((int(t), b) for t, b in (req.logit_bias or {}).items())
         try:
             return SamplingParams(max_tokens=max_tokens or min(room, 1024), temperature=req.temperature,
                                   top_p=req.top_p, seed=req.seed, stop=stop, ignore_eos=req.ignore_eos,
                                   top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
                                   presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                                  logit_bias=bias, logprobs=logprobs)
+                                  logit_bias=bias, logprobs=logprobs, stop_token_ids=tuple(req.stop_token_ids or ()),
+                                  include_stop_str_in_output=req.include_stop_str_in_output)
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
 
@@ -429,18 +430,31 @@ def _json_or_text(arguments: str) -> Any:
 
 class LogprobFormatter:
     """Log-probabilities in OpenAI's two shapes. Each token is shown as it decodes alone (a piece
-    of a character split across tokens shows as U+FFFD), as vLLM shows it; ``bytes`` are that
-    text's UTF-8 bytes."""
+    of a character split across tokens shows as U+FFFD), as vLLM shows it; ``bytes`` are the
+    token's own bytes (byte-level BPE vocabularies), so a client can join them into the characters
+    split across tokens, as OpenAI means them (other vocabularies: the shown text's UTF-8)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self._byte_of = None
+        if type(decoder).__name__ == "ByteLevel":
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
+            self._byte_of = {c: b for b, c in bytes_to_unicode().items()}
 
     def _text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
+    def _bytes(self, token_id: int, text: str) -> list[int]:
+        if self._byte_of is not None:
+            symbols = self.tokenizer.convert_ids_to_tokens(token_id)
+            if symbols and all(c in self._byte_of for c in symbols):
+                return [self._byte_of[c] for c in symbols]
+        return list(text.encode())
+
     def _top(self, token_id: int, logprob: float) -> dict:
         text = self._text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": logprob, "bytes": self._bytes(token_id, text)}
 
     def chat(self, entries: list[TokenLogprob] | None) -> dict | None:
         """``choices[].logprobs`` of a chat completion (or chunk): ``{"content": [...]}``."""
@@ -451,14 +465,16 @@ class LogprobFormatter:
 
     def completion(self, entries: list[TokenLogprob] | None, offsets: "TextOffsets | None" = None) -> dict | None:
         """``choices[].logprobs`` of a text completion: tokens, token_logprobs, top_logprobs
-        (token text -> logprob) and text_offset (characters; ``offsets`` carries the position
+        (token text -> logprob, the sampled token included) and text_offset (characters; ``offsets`` carries the position
         over the chunks of a stream)."""
         if entries is None:
             return None
         offsets = offsets or TextOffsets(self.tokenizer)
         return {"tokens": [self._text(e.token_id) for e in entries],
                 "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self._text(i): lp for i, lp in e.top} for e in entries],
+                # The sampled token is always among them (OpenAI's legacy format: up to N + 1).
+                "top_logprobs": [{**{self._text(i): lp for i, lp in e.top}, self._text(e.token_id): e.logprob}
+                                 for e in entries],
                 "text_offset": [offsets.next(e.token_id) for e in entries]}
 
 

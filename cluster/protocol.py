@@ -108,15 +108,30 @@ class ResponseFormat(_Body):
     json_schema: JSONSchemaFormat | None = None
 
 
+# OpenAI and vLLM request fields this server does not implement, with the values that mean "off":
+# any other value is refused (400 naming the field) rather than silently ignored.
+NOT_SUPPORTED = {"echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "prompt_logprobs": (None,),
+                 "min_tokens": (None, 0), "allowed_token_ids": (None,), "bad_words": (None, []),
+                 "use_beam_search": (None, False), "guided_json": (None,), "guided_regex": (None,),
+                 "guided_choice": (None,), "guided_grammar": (None,), "guided_decoding_backend": (None,),
+                 "guided_whitespace_pattern": (None,)}
+
+
 class SamplingFields(_Body):
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
-        """An explicit null means the default, as OpenAI and vLLM take it (clients send nulls)."""
+        """An explicit null means the default, as OpenAI and vLLM take it (clients send nulls);
+        a field of ``NOT_SUPPORTED`` set to anything but off is refused."""
         if isinstance(data, dict):
+            for key, off in NOT_SUPPORTED.items():
+                if key in data and not any(data[key] == v and type(data[key]) is type(v) for v in off):
+                    hint = (" (use structured_outputs on /v1/completions, response_format or tools on "
+                            "/v1/chat/completions)" if key.startswith("guided_") else "")
+                    raise ValueError(f"{key} is not supported by this server{hint}")
             nullable = ("temperature", "top_p", "n", "stream", "parallel_tool_calls", "ignore_eos", "logprobs",
                         "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                        "logit_bias")
+                        "logit_bias", "stop_token_ids", "include_stop_str_in_output")
             data = {k: v for k, v in data.items() if not (v is None and k in nullable)}
         return data
 
@@ -127,7 +142,9 @@ class SamplingFields(_Body):
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens under min_p x the top token's probability.")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="> 1 discourages prompt and output tokens.")
+    repetition_penalty: float = Field(1.0, ge=0.01, le=10.0, description="> 1 discourages prompt and output tokens.")
+    stop_token_ids: list[int] | None = Field(None, description="Extension (vLLM's): token ids that end generation.")
+    include_stop_str_in_output: bool = Field(False, description="Extension (vLLM's): keep the stop string in the text.")
     logit_bias: dict[str, float] | None = Field(None, description="Token id (as a string) -> bias in [-100, 100], "
                                                 "added to the logits.")
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="Sampling seed (64-bit).")
@@ -147,9 +164,9 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = Field(False, description="Return each output token's log-probability (the model's "
+    logprobs: bool = Field(False, strict=True, description="Return each output token's log-probability (the model's "
                            "distribution, before the grammar mask and the temperature).")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="Most likely alternatives per token "
+    top_logprobs: int | None = Field(None, ge=0, le=20, strict=True, description="Most likely alternatives per token "
                                      "(needs `logprobs`).")
 
 
@@ -166,7 +183,7 @@ class CompletionRequest(SamplingFields):
     model: str
     prompt: str | list[int] = Field(description="Text, or token ids.")
     structured_outputs: StructuredOutputs | None = None
-    logprobs: int | None = Field(None, ge=0, le=20, description="Return each output token's log-probability "
+    logprobs: int | None = Field(None, ge=0, le=20, strict=True, description="Return each output token's log-probability "
                                  "with this many most likely alternatives.")
 
 

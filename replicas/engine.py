@@ -170,9 +170,10 @@ class LLMEngine:
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"prompt has token ids outside [0, {vocab}): {bad[:5]}")
-        bad = [t for t, _ in params.logit_bias if t >= vocab]
-        if bad:
-            raise InvalidRequestError(f"logit_bias has token ids outside [0, {vocab}): {bad[:5]}", "logit_bias")
+        for field, ids_ in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids_ if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"{field} has token ids outside [0, {vocab}): {bad[:5]}", field)
         total = len(ids) + params.max_tokens
         if total > self.max_model_len:
             raise InvalidRequestError(f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) "
@@ -366,9 +367,10 @@ class LLMEngine:
         if not stop_token:   # a stop token is not part of the text
             seq.detokenizer.add(token)
         seq.text = seq.detokenizer.text
-        hits = [i for i in (seq.text.find(s) for s in p.stop) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((seq.text.find(s), s) for s in p.stop) if i >= 0]
         if hits:
-            seq.text = seq.text[: min(hits)]
+            at, length = min(hits)
+            seq.text = seq.text[: at + length if p.include_stop_str_in_output else at]
             self._finish(seq, "stop")
             return RequestOutput.of(seq)
         reason = None

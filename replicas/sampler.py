@@ -25,7 +25,9 @@ def apply_penalties(logits: torch.Tensor, seq: Sequence) -> None:
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(seq.prompt_token_ids) | set(seq.output_token_ids)), dtype=torch.long)
         x = logits[seen]
-        logits[seen] = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+        # A token the grammar masked (-inf) stays masked: -inf * r is NaN for an r that rounds to 0.
+        logits[seen] = torch.where(torch.isfinite(x), torch.where(x > 0, x / p.repetition_penalty,
+                                                                  x * p.repetition_penalty), x)
     if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
         counts = torch.bincount(torch.tensor(seq.output_token_ids, dtype=torch.long), minlength=vocab)[:vocab]
         logits -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty * (counts > 0).to(logits.dtype)
@@ -43,7 +45,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generato
     """
     for i, seq in enumerate(seqs):
         if seq.params.has_penalties:
+            masked = torch.isneginf(logits[i])
             apply_penalties(logits[i], seq)
+            logits[i].masked_fill_(masked | torch.isnan(logits[i]), float("-inf"))  # never unmask
     out = logits.argmax(dim=-1).tolist()
     for i, seq in enumerate(seqs):
         p = seq.params

@@ -20,10 +20,11 @@ class SamplingParams:
         seed: per-request seed for reproducible sampling (None: the engine's generator).
         stop: strings that end generation (not included in the output text).
         stop_token_ids: extra token ids that end generation.
+        include_stop_str_in_output: keep the stop string that ended generation in the text.
         ignore_eos: keep generating past EOS (benchmarks).
         top_k: sample among the k most likely tokens only (0 or -1: all).
         min_p: drop tokens less than ``min_p`` times as likely as the most likely one (0: none).
-        repetition_penalty: > 1 discourages any token of the prompt or output (1: none).
+        repetition_penalty: in [0.01, 10]; > 1 discourages any token of the prompt or output (1: none).
         presence_penalty, frequency_penalty: in [-2, 2]; subtracted from an output token's logit
             once, and per occurrence (0: none).
         logit_bias: (token id, bias) pairs added to the logits before anything else (OpenAI's
@@ -41,6 +42,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     top_k: int = 0
     min_p: float = 0.0
@@ -61,8 +63,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be an integer >= -1 (-1 or 0: all tokens), got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            raise InvalidRequestError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        if not 0.01 <= self.repetition_penalty <= 10.0:
+            raise InvalidRequestError(f"repetition_penalty must be in [0.01, 10], got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")

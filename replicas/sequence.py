@@ -100,6 +100,12 @@ class RequestOutput:
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestOutput":
-        return cls(seq.request_id, seq.text, list(seq.output_token_ids), seq.is_finished,
+        """The request's state after a step. While it runs with stop strings, the text holds back
+        its last ``max(len(stop)) - 1`` characters, which could be the start of a stop string
+        (vLLM does the same), so streamed text is always a prefix of the final text."""
+        text = seq.text
+        if seq.params.stop and not seq.is_finished:
+            text = text[:max(0, len(text) - max(map(len, seq.params.stop)) + 1)]
+        return cls(seq.request_id, text, list(seq.output_token_ids), seq.is_finished,
                    seq.finish_reason, len(seq.prompt_token_ids), copy.copy(seq.metrics),
                    None if seq.logprobs is None else list(seq.logprobs))

@@ -290,7 +290,7 @@ def test_chat_logprobs_stream_and_whole_agree(app):
     for e in content:
         assert e["logprob"] <= 0 and len(e["top_logprobs"]) == 2
         assert e["top_logprobs"][0]["logprob"] >= e["top_logprobs"][1]["logprob"]
-        assert e["bytes"] == list(e["token"].encode())
+        assert e["bytes"] == list(e["token"].encode()) or "\ufffd" in e["token"]
         assert e["top_logprobs"][0]["token"] == e["token"]   # greedy: the chosen token is the top one
     streamed = [e for c in _stream_chunks(app, "/v1/chat/completions", body)
                 for e in (c["choices"][0].get("logprobs") or {}).get("content") or []]
@@ -312,7 +312,8 @@ def test_completion_logprobs_with_offsets(app):
     lp = choice["logprobs"]
     assert choice["text"] == want and len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"])
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
-    assert all(len(t) <= 3 for t in lp["top_logprobs"])
+    assert all(len(t) <= 4 for t in lp["top_logprobs"])   # 3 and the sampled token
+    assert all(top[tok] == v for tok, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]))
     # Offsets point at each token's text: the ASCII tokens of "caf" sit where they decode; the
     # end-of-turn token closing the choice is listed with its name and adds no text.
     assert lp["tokens"][-1] == "<|im_end|>" and lp["text_offset"][-1] == len(want)
@@ -343,6 +344,66 @@ def test_logit_bias(app, engine):
     body = {"model": MODEL, "prompt": "Say:", "max_tokens": 3, "ignore_eos": True, "logit_bias": {"88": 100}}
     x = call(app, "POST", "/v1/completions", {**body, "logprobs": 0}).json()
     assert x["choices"][0]["logprobs"]["tokens"] == [engine.tokenizer.decode([88])] * 3
-    for bias, needle in (({"x": 1}, "token ids"), ({"999999": 1}, "outside"), ({"5": 500}, "logit_bias")):
+    for bias, needle in (({"x": 1}, "token ids"), ({"999999": 1}, "outside"), ({"5": 500}, "logit_bias"),
+                         ({"+5": 1}, "decimal"), ({"1_0": 1}, "decimal"), ({"\u0663": 1}, "decimal"),
+                         ({"5": 1, "05": 2}, "distinct")):
         bad = call(app, "POST", "/v1/completions", {"model": MODEL, "prompt": "Say:", "logit_bias": bias})
         assert bad.status_code == 400 and needle in bad.text and bad.json()["error"]["param"] == "logit_bias", bad.text
+
+
+def test_streamed_text_never_runs_past_a_stop_string(app):
+    """Found by a new-user trial: the stream sent the start of a stop string before the rest of it
+    arrived (" P V" streamed, " P" returned whole for stop " V V")."""
+    want = "café ☃ 東京 end"
+    for stop in (["☃ "], ["東京 e"], [" e", "x"], ["zzz"]):
+        body = {"model": MODEL, "prompt": "Say:", "max_tokens": 24, "stop": stop,
+                "structured_outputs": {"choice": [want]}}
+        whole = call(app, "POST", "/v1/completions", body).json()["choices"][0]["text"]
+        assert whole == want.split(stop[0])[0]
+        chunks = _stream_chunks(app, "/v1/completions", body)
+        assert "".join(c["choices"][0]["text"] for c in chunks) == whole, stop
+
+
+def test_chat_logprob_bytes_rebuild_split_characters(app):
+    """OpenAI's ``bytes`` let a client join a character split across tokens; each piece shows as
+    U+FFFD in ``token`` (found by a new-user trial: bytes were U+FFFD's own)."""
+    schema = {"type": "object", "properties": {"a": {"enum": ["café ☃ 東京"]}}, "required": ["a"],
+              "additionalProperties": False}
+    body = chat(max_tokens=40, logprobs=True, response_format={"type": "json_schema", "json_schema": {
+        "name": "r", "schema": schema, "strict": True}})
+    r = call(app, "POST", "/v1/chat/completions", body).json()
+    content = r["choices"][0]["message"]["content"]
+    entries = r["choices"][0]["logprobs"]["content"]
+    assert any("\ufffd" in e["token"] for e in entries)
+    assert bytes(b for e in entries for b in e["bytes"]).decode().endswith("<|im_end|>")
+    assert bytes(b for e in entries for b in e["bytes"]).decode().startswith(content)
+
+
+def test_stop_token_ids_include_stop_str_and_unsupported_fields(app, engine):
+    """Found by a new-user trial: these vLLM / OpenAI fields were silently ignored."""
+    want = "café ☃ 東京 end"
+    body = {"model": MODEL, "prompt": "Say:", "max_tokens": 24, "structured_outputs": {"choice": [want]}}
+    r = call(app, "POST", "/v1/completions", {**body, "stop": ["東京"], "include_stop_str_in_output": True})
+    assert r.json()["choices"][0]["text"] == "café ☃ 東京"
+    stop_id = engine.tokenizer("c", add_special_tokens=False)["input_ids"][0]
+    r = call(app, "POST", "/v1/completions", {**body, "stop_token_ids": [stop_id]})
+    assert r.json()["choices"][0]["text"] == "" and r.json()["choices"][0]["finish_reason"] == "stop"
+    bad = call(app, "POST", "/v1/completions", {**body, "stop_token_ids": [99999]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stop_token_ids"
+    for field, value in (("echo", True), ("best_of", 2), ("suffix", "x"), ("min_tokens", 3), ("prompt_logprobs", 1),
+                         ("guided_choice", ["a"]), ("allowed_token_ids", [1]), ("bad_words", ["x"])):
+        bad = call(app, "POST", "/v1/completions", {**body, field: value})
+        assert bad.status_code == 400 and f"{field} is not supported" in bad.text, (field, bad.text)
+    for field, value in (("echo", False), ("best_of", 1), ("min_tokens", 0), ("guided_choice", None)):
+        assert call(app, "POST", "/v1/completions", {**body, field: value}).status_code == 200, field
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": False}),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": "2"}),
+    ("/v1/chat/completions", chat(logprobs="yes")),
+    ("/v1/chat/completions", chat(logprobs=True, top_logprobs="3")),
+])
+def test_logprobs_fields_take_their_own_types_only(app, path, body):
+    r = call(app, "POST", path, body)
+    assert r.status_code == 400 and "logprobs" in r.json()["error"]["message"], r.text

@@ -61,3 +61,15 @@ def test_logit_bias_is_added_first():
     assert sample(logits.clone(), [seq(logit_bias=((0, -100.0),))], torch.Generator()) == [1]
     with pytest.raises(InvalidRequestError, match="logit_bias"):
         SamplingParams(logit_bias={1: 101.0})
+
+
+def test_penalties_never_unmask_what_the_grammar_masked():
+    """Found by a new-user trial: repetition_penalty 1e-50 (0 in float32) turned the grammar's
+    -inf into NaN (-inf * 0), argmax took it, and the output broke the grammar."""
+    logits = torch.tensor([[float("-inf"), 2.0, float("-inf"), -1.0]])
+    s = seq(prompt=[0, 2, 3], output=[0], repetition_penalty=0.01, frequency_penalty=-2.0, logit_bias={0: 100.0})
+    object.__setattr__(s.params, "repetition_penalty", 1e-50)  # below the API's range, as if it slipped through
+    assert sample(logits, [s], torch.Generator()) == [1]
+    assert torch.isneginf(logits[0, [0, 2]]).all()
+    with pytest.raises(InvalidRequestError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=1e-50)
