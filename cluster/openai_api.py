@@ -246,6 +246,9 @@ class OpenAIServer:
         except Exception as e:  # a template error is the request's fault (e.g. bad roles order)
             raise APIError(400, f"messages cannot be rendered: {e}", param="messages") from None
         grammar, parse_tools = None, False
+        if tools and choice != "none" and req.response_format and req.response_format.type != "text":
+            raise APIError(400, "response_format cannot be combined with tools unless tool_choice is \"none\" "
+                                "(one grammar per request)", param="response_format")
         if tools and choice != "none":
             grammar = GrammarSpec("tools", {"tools": tools, "tool_choice": choice,
                                             "parallel_tool_calls": req.parallel_tool_calls})
@@ -491,9 +494,11 @@ class TextOffsets:
 
 
 def _finish_reason(out: RequestOutput, has_calls: bool) -> str:
-    if has_calls:
-        return "tool_calls"
-    return "length" if out.finish_reason == "length" else "stop"
+    """``length`` whenever max_tokens or the context cut the output (calls before the cut are
+    still returned), else ``tool_calls`` when there are calls, else ``stop``."""
+    if out.finish_reason == "length":
+        return "length"
+    return "tool_calls" if has_calls else "stop"
 
 
 def _message(out: RequestOutput, parse_tools: bool) -> tuple[dict, bool]:
@@ -501,7 +506,11 @@ def _message(out: RequestOutput, parse_tools: bool) -> tuple[dict, bool]:
         text = out.text
         cut = text.rfind("<tool_call>")
         if cut >= 0 and "</tool_call>" not in text[cut:]:
-            text = text[:cut]  # a call cut short (max_tokens or a stop string) is dropped, not leaked
+            # An unclosed last call is kept when its JSON is whole (a stop string or stop token at
+            # </tool_call>; vLLM's Hermes parser does the same) and dropped, not leaked as content,
+            # when max_tokens or a stop string cut it short.
+            body = text[cut + len("<tool_call>"):]
+            text = text[:cut] + (f"<tool_call>{body}</tool_call>" if _whole_call(body) else "")
         try:
             calls, content = chat.parse_tool_calls(text)
         except ValueError:  # a malformed block (only without the grammar): the text before it
@@ -512,6 +521,14 @@ def _message(out: RequestOutput, parse_tools: bool) -> tuple[dict, bool]:
             return {"role": "assistant", "content": content or None, "tool_calls": tool_calls}, True
         return {"role": "assistant", "content": content or None}, False
     return {"role": "assistant", "content": out.text}, False
+
+
+def _whole_call(body: str) -> bool:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(obj, dict) and isinstance(obj.get("name"), str)
 
 
 def _streamable(text: str, marker: str = "<tool_call>") -> str:
@@ -557,6 +574,8 @@ def build_app(server) -> FastAPI:
         server.metrics.error(400)
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        refused = re.match(r"Value error, (\w+) is not supported", first.get("msg", ""))
+        where = where or (refused.group(1) if refused else "")
         return error_response(400, f"invalid request body at {where or 'body'}: {first.get('msg', 'malformed')}",
                               "invalid_request_error", where or None)
 
@@ -671,8 +690,9 @@ async def _chat_stream(server, rid, created, model, first, stream, parse_tools):
 
     try:
         async for out in _outputs(first, stream):
-            # Text before a tool call streams as content; tool calls go out whole once parsed.
-            visible = _streamable(out.text) if parse_tools else out.text
+            # Text before a tool call streams as content; tool calls go out whole once parsed. With
+            # tools, the answer's content is stripped, so leading and trailing whitespace wait.
+            visible = _streamable(out.text).strip() if parse_tools else out.text
             if len(visible) > sent:
                 yield _sse({**base, "choices": [{"index": 0, "delta": {"content": visible[sent:]}, "finish_reason": None,
                                                  **logprobs(out)}]})
@@ -681,14 +701,15 @@ async def _chat_stream(server, rid, created, model, first, stream, parse_tools):
         yield error_event(e)
         return
     message, has_calls = _message(out, parse_tools)
+    content = message["content"] or ""   # what was sent is a prefix of it
+    if len(content) > sent:
+        yield _sse({**base, "choices": [{"index": 0, "delta": {"content": content[sent:]}, "finish_reason": None,
+                                         **({} if has_calls else logprobs(out))}]})
     if has_calls:
         deltas = [{"index": i, "id": c["id"], "type": "function", "function": c["function"]}
                   for i, c in enumerate(message["tool_calls"])]
         yield _sse({**base, "choices": [{"index": 0, "delta": {"tool_calls": deltas}, "finish_reason": None,
                                          **logprobs(out)}]})
-    elif len(message["content"] or "") > sent:
-        yield _sse({**base, "choices": [{"index": 0, "delta": {"content": message["content"][sent:]},
-                                         "finish_reason": None, **logprobs(out)}]})
     yield _sse({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": _finish_reason(out, has_calls),
                                      **(logprobs(out) if out.logprobs is not None and lp_sent < len(out.logprobs) else {})}],
                 "usage": server.usage(out)})

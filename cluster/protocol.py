@@ -110,11 +110,32 @@ class ResponseFormat(_Body):
 
 # OpenAI and vLLM request fields this server does not implement, with the values that mean "off":
 # any other value is refused (400 naming the field) rather than silently ignored.
-NOT_SUPPORTED = {"echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "prompt_logprobs": (None,),
-                 "min_tokens": (None, 0), "allowed_token_ids": (None,), "bad_words": (None, []),
-                 "use_beam_search": (None, False), "guided_json": (None,), "guided_regex": (None,),
-                 "guided_choice": (None,), "guided_grammar": (None,), "guided_decoding_backend": (None,),
-                 "guided_whitespace_pattern": (None,)}
+NOT_SUPPORTED: dict[str, tuple] = {
+    "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "prompt_logprobs": (None,),
+    "min_tokens": (None, 0), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "use_beam_search": (None, False), "length_penalty": (None, 1.0, 1), "structural_tag": (None,),
+    "truncate_prompt_tokens": (None,), "return_tokens_as_token_ids": (None, False),
+    "logits_processors": (None, []), "vllm_xargs": (None, {}), "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True), "priority": (None, 0),
+    **{k: (None,) for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                            "guided_decoding_backend", "guided_whitespace_pattern", "guided_json_object")}}
+CHAT_NOT_SUPPORTED: dict[str, tuple] = {
+    "structured_outputs": (None,), "functions": (None,), "function_call": (None,), "chat_template": (None,),
+    "chat_template_kwargs": (None, {}), "documents": (None,), "continue_final_message": (None, False),
+    "add_generation_prompt": (None, True), "reasoning_effort": (None,), "prediction": (None,)}
+COMPLETION_NOT_SUPPORTED: dict[str, tuple] = {"response_format": (None,), "max_completion_tokens": (None,)}
+_HINTS = {"guided_": " (use structured_outputs on /v1/completions, response_format or tools on /v1/chat/completions)",
+          "structured_outputs": " on chat (use response_format)", "functions": " (use tools)",
+          "function_call": " (use tool_choice)", "response_format": " on completions (use structured_outputs)"}
+
+
+def refuse_unsupported(data: dict, table: dict[str, tuple]) -> None:
+    """Raise ValueError("<field> is not supported ...") for a field of ``table`` set to anything
+    but one of its off values (of the same JSON type)."""
+    for key, off in table.items():
+        if key in data and not any(data[key] == v and type(data[key]) is type(v) for v in off):
+            hint = next((h for k, h in _HINTS.items() if key.startswith(k)), "")
+            raise ValueError(f"{key} is not supported by this server{hint}")
 
 
 class SamplingFields(_Body):
@@ -124,11 +145,7 @@ class SamplingFields(_Body):
         """An explicit null means the default, as OpenAI and vLLM take it (clients send nulls);
         a field of ``NOT_SUPPORTED`` set to anything but off is refused."""
         if isinstance(data, dict):
-            for key, off in NOT_SUPPORTED.items():
-                if key in data and not any(data[key] == v and type(data[key]) is type(v) for v in off):
-                    hint = (" (use structured_outputs on /v1/completions, response_format or tools on "
-                            "/v1/chat/completions)" if key.startswith("guided_") else "")
-                    raise ValueError(f"{key} is not supported by this server{hint}")
+            refuse_unsupported(data, NOT_SUPPORTED)
             nullable = ("temperature", "top_p", "n", "stream", "parallel_tool_calls", "ignore_eos", "logprobs",
                         "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
                         "logit_bias", "stop_token_ids", "include_stop_str_in_output")
@@ -157,6 +174,13 @@ class SamplingFields(_Body):
 
 
 class ChatCompletionRequest(SamplingFields):
+    @model_validator(mode="before")
+    @classmethod
+    def _chat_only(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            refuse_unsupported(data, CHAT_NOT_SUPPORTED)
+        return data
+
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
@@ -180,6 +204,13 @@ class StructuredOutputs(_Body):
 
 
 class CompletionRequest(SamplingFields):
+    @model_validator(mode="before")
+    @classmethod
+    def _completion_only(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            refuse_unsupported(data, COMPLETION_NOT_SUPPORTED)
+        return data
+
     model: str
     prompt: str | list[int] = Field(description="Text, or token ids.")
     structured_outputs: StructuredOutputs | None = None

@@ -407,3 +407,48 @@ def test_stop_token_ids_include_stop_str_and_unsupported_fields(app, engine):
 def test_logprobs_fields_take_their_own_types_only(app, path, body):
     r = call(app, "POST", path, body)
     assert r.status_code == 400 and "logprobs" in r.json()["error"]["message"], r.text
+
+
+def _whole_and_streamed_chat(app, body):
+    whole = call(app, "POST", "/v1/chat/completions", body).json()
+    chunks = _stream_chunks(app, "/v1/chat/completions", body)
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls") or []]
+    return whole["choices"][0], content, calls, chunks[-1]["choices"][0]["finish_reason"]
+
+
+def test_tool_calls_with_stop_strings_whole_and_streamed_agree(app, engine):
+    """Found by a second new-user trial: a stop string or stop token at </tool_call> deleted a
+    required call; streamed content kept whitespace the whole answer stripped; a call cut by
+    max_tokens reported finish_reason tool_calls."""
+    end = engine.tokenizer.convert_tokens_to_ids("</tool_call>")
+    cases = [dict(stop=["</tool_call>"]), dict(stop_token_ids=[end]), dict(stop=["celsius"]),
+             dict(max_tokens=12), dict(tool_choice="auto", max_tokens=6, logit_bias={"223": 100})]
+    for extra in cases:
+        body = chat(tools=[WEATHER], **{"tool_choice": "required", **extra})
+        whole, content, calls, finish = _whole_and_streamed_chat(app, body)
+        assert content == (whole["message"]["content"] or ""), extra
+        assert [c["function"] for c in calls] == [c["function"] for c in whole["message"].get("tool_calls") or []], extra
+        assert finish == whole["finish_reason"], extra
+        if "stop_token_ids" in extra or extra.get("stop") == ["</tool_call>"]:
+            assert whole["finish_reason"] == "tool_calls" and whole["message"]["tool_calls"], extra
+        if extra.get("stop") == ["celsius"]:   # cut inside the call: no half call, no leaked markup
+            assert whole["message"] == {"role": "assistant", "content": None} and whole["finish_reason"] == "stop"
+        if "max_tokens" in extra:
+            assert whole["finish_reason"] == "length", extra
+
+
+def test_response_format_with_tools_and_refused_fields_name_themselves(app):
+    body = chat(tools=[WEATHER], response_format={"type": "json_object"})
+    r = call(app, "POST", "/v1/chat/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    assert call(app, "POST", "/v1/chat/completions", {**body, "tool_choice": "none"}).status_code == 200
+    for path, field, value in (("/v1/chat/completions", "best_of", 2), ("/v1/chat/completions", "structured_outputs",
+                               {"choice": ["a"]}), ("/v1/chat/completions", "functions", [{"name": "f"}]),
+                               ("/v1/completions", "response_format", {"type": "json_object"}),
+                               ("/v1/completions", "skip_special_tokens", False)):
+        b = chat() if path.startswith("/v1/chat") else {"model": MODEL, "prompt": "x"}
+        r = call(app, "POST", path, {**b, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
+    r = call(app, "POST", "/v1/completions", {"model": MODEL, "prompt": "x", "stop": [""]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
