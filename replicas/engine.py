@@ -364,8 +364,8 @@ class LLMEngine:
         if seq.matcher is not None and not seq.matcher.is_terminated():
             seq.matcher.accept_token(token)
         stop_token = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
-        if not stop_token:   # a stop token is not part of the text
-            seq.detokenizer.add(token)
+        if not stop_token or (p.include_stop_str_in_output and token in p.stop_token_ids):
+            seq.detokenizer.add(token)   # a stop token is not part of the text unless asked for (vLLM)
         seq.text = seq.detokenizer.text
         hits = [(i, len(s)) for i, s in ((seq.text.find(s), s) for s in p.stop) if i >= 0]
         if hits:

@@ -388,6 +388,8 @@ def test_stop_token_ids_include_stop_str_and_unsupported_fields(app, engine):
     stop_id = engine.tokenizer("c", add_special_tokens=False)["input_ids"][0]
     r = call(app, "POST", "/v1/completions", {**body, "stop_token_ids": [stop_id]})
     assert r.json()["choices"][0]["text"] == "" and r.json()["choices"][0]["finish_reason"] == "stop"
+    r = call(app, "POST", "/v1/completions", {**body, "stop_token_ids": [stop_id], "include_stop_str_in_output": True})
+    assert r.json()["choices"][0]["text"] == "c" and r.json()["choices"][0]["finish_reason"] == "stop"
     bad = call(app, "POST", "/v1/completions", {**body, "stop_token_ids": [99999]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "stop_token_ids"
     for field, value in (("echo", True), ("best_of", 2), ("suffix", "x"), ("min_tokens", 3), ("prompt_logprobs", 1),
