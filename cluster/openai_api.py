@@ -468,8 +468,8 @@ class LogprobFormatter:
 
     def completion(self, entries: list[TokenLogprob] | None, offsets: "TextOffsets | None" = None) -> dict | None:
         """``choices[].logprobs`` of a text completion: tokens, token_logprobs, top_logprobs
-        (token text -> logprob, the sampled token included) and text_offset (characters; ``offsets`` carries the position
-        over the chunks of a stream)."""
+        (token text -> logprob, the sampled token included) and text_offset (characters;
+        ``offsets`` carries the position over the chunks of a stream)."""
         if entries is None:
             return None
         offsets = offsets or TextOffsets(self.tokenizer)
