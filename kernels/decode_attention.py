@@ -86,7 +86,7 @@ def paged_decode_attention_ref(q, k, v, k_scale, v_scale, block_table, lens, bit
     PyTorch SDPA call (its fused CPU kernel), and ``lse`` comes back as None."""
     _check(q, k, v, k_scale, v_scale, block_table, lens, bits)
     b, hq, d = q.shape
-    bs, hkv = k.shape[1], k.shape[2]
+    hkv = k.shape[2]
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     out = torch.zeros(b, hq, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, hq), float("-inf"), dtype=torch.float32, device=q.device)
