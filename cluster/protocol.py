@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -139,13 +139,15 @@ def refuse_unsupported(data: dict, table: dict[str, tuple]) -> None:
 
 
 class SamplingFields(_Body):
+    endpoint_not_supported: ClassVar[dict[str, tuple]] = {}   # the endpoint's own refused fields
+
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
         """An explicit null means the default, as OpenAI and vLLM take it (clients send nulls);
         a field of ``NOT_SUPPORTED`` set to anything but off is refused."""
         if isinstance(data, dict):
-            refuse_unsupported(data, NOT_SUPPORTED)
+            refuse_unsupported(data, {**NOT_SUPPORTED, **cls.endpoint_not_supported})
             nullable = ("temperature", "top_p", "n", "stream", "parallel_tool_calls", "ignore_eos", "logprobs",
                         "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
                         "logit_bias", "stop_token_ids", "include_stop_str_in_output")
@@ -174,12 +176,7 @@ class SamplingFields(_Body):
 
 
 class ChatCompletionRequest(SamplingFields):
-    @model_validator(mode="before")
-    @classmethod
-    def _chat_only(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            refuse_unsupported(data, CHAT_NOT_SUPPORTED)
-        return data
+    endpoint_not_supported: ClassVar[dict[str, tuple]] = CHAT_NOT_SUPPORTED
 
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
@@ -204,12 +201,7 @@ class StructuredOutputs(_Body):
 
 
 class CompletionRequest(SamplingFields):
-    @model_validator(mode="before")
-    @classmethod
-    def _completion_only(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            refuse_unsupported(data, COMPLETION_NOT_SUPPORTED)
-        return data
+    endpoint_not_supported: ClassVar[dict[str, tuple]] = COMPLETION_NOT_SUPPORTED
 
     model: str
     prompt: str | list[int] = Field(description="Text, or token ids.")
