@@ -675,18 +675,24 @@ async def _outputs(first, stream):
         yield out
 
 
+class _LogprobCursor:
+    """A stream's log-probabilities not sent yet (tokens whose text is held back go with a later
+    chunk), rendered by ``render`` into a chunk's ``logprobs``."""
+
+    def __init__(self, render):
+        self.render, self.sent = render, 0
+
+    def __call__(self, out: RequestOutput, only_if_left: bool = False) -> dict:
+        if out.logprobs is None or (only_if_left and self.sent >= len(out.logprobs)):
+            return {}
+        entries, self.sent = out.logprobs[self.sent:], len(out.logprobs)
+        return {"logprobs": self.render(entries)}
+
+
 async def _chat_stream(server, rid, created, model, first, stream, parse_tools):
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
-    sent, lp_sent, out = 0, 0, first
-
-    def logprobs(out):
-        """The log-probabilities not sent yet (tokens whose text is held back go with a later chunk)."""
-        nonlocal lp_sent
-        if out.logprobs is None:
-            return {}
-        entries, lp_sent = out.logprobs[lp_sent:], len(out.logprobs)
-        return {"logprobs": server.logprobs.chat(entries)}
+    sent, out, logprobs = 0, first, _LogprobCursor(server.logprobs.chat)
 
     try:
         async for out in _outputs(first, stream):
@@ -711,21 +717,15 @@ async def _chat_stream(server, rid, created, model, first, stream, parse_tools):
         yield _sse({**base, "choices": [{"index": 0, "delta": {"tool_calls": deltas}, "finish_reason": None,
                                          **logprobs(out)}]})
     yield _sse({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": _finish_reason(out, has_calls),
-                                     **(logprobs(out) if out.logprobs is not None and lp_sent < len(out.logprobs) else {})}],
+                                     **logprobs(out, only_if_left=True)}],
                 "usage": server.usage(out)})
     yield "data: [DONE]\n\n"
 
 
 async def _completion_stream(server, rid, created, model, first, stream):
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
-    sent, lp_sent, out, offsets = 0, 0, first, TextOffsets(server.tokenizer)
-
-    def logprobs(out):
-        nonlocal lp_sent
-        if out.logprobs is None:
-            return {}
-        entries, lp_sent = out.logprobs[lp_sent:], len(out.logprobs)
-        return {"logprobs": server.logprobs.completion(entries, offsets)}
+    offsets = TextOffsets(server.tokenizer)
+    sent, out, logprobs = 0, first, _LogprobCursor(lambda entries: server.logprobs.completion(entries, offsets))
 
     try:
         async for out in _outputs(first, stream):
@@ -737,6 +737,6 @@ async def _completion_stream(server, rid, created, model, first, stream):
         yield error_event(e)
         return
     yield _sse({**base, "choices": [{"index": 0, "text": "", "finish_reason": _finish_reason(out, False),
-                                     **(logprobs(out) if out.logprobs is not None and lp_sent < len(out.logprobs) else {})}],
+                                     **logprobs(out, only_if_left=True)}],
                 "usage": server.usage(out)})
     yield "data: [DONE]\n\n"
