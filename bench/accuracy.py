@@ -2,12 +2,16 @@
 
     python -m bench.accuracy --policy full --split test [--category C] [--limit N] [--json PATH]
     python -m bench.accuracy --split bfcl            # the real BFCL non-live questions
+    python -m bench.accuracy --policy snapkv --prefill-tokens 512 --category long_context
 
 Prints a per-category table and writes the same numbers as JSON (keys ``policy``, ``budget``,
 ``split``, ``accuracy`` (category -> fraction), ``overall`` (unweighted mean over categories, as
 BFCL averages), ``num_examples``, and the achieved KV budget ratio ``kv_ratio_mean`` /
 ``kv_ratio_max`` over requests). Decoding is greedy, batched through our engine (``--backend hf``
 runs ``transformers`` instead, full KV only); ``--grammar`` constrains output with the tools grammar.
+``--prefill-tokens B`` compresses the prompt only, to ``B`` tokens per layer, keeping every
+generated token (the KV-size setting of the SnapKV / PyramidKV / CompilerKV LongBench tables);
+it applies to the prompt-scoring policies (PREFILL_POLICIES) at total budget 1.0.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from models import CheckpointNotFoundError, bfcl, chat, resolve_checkpoint, synt
 from models.checker import check
 from replicas.policies import POLICIES
 SPLITS = ("dev", "test", "bfcl")
+PREFILL_POLICIES = tuple(n for n, cls in POLICIES.items()
+                         if "prefill_tokens" in getattr(cls, "__dataclass_fields__", {}))
 
 
 @dataclass(frozen=True)
@@ -153,6 +159,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--backend", default="engine", choices=("engine", "hf"), help="decoder to run")
     ap.add_argument("--grammar", action="store_true", help="constrain output with the tools grammar")
     ap.add_argument("--pask-table", type=Path, help="PASK table folder (default: the one shipped for the model)")
+    ap.add_argument("--prefill-tokens", type=int, help="compress the prompt only, to this many tokens per layer")
+    ap.add_argument("--max-tokens", type=int, default=256, help="generated tokens per answer at most")
     args = ap.parse_args(argv)
     known = bfcl.CATEGORIES if args.split == "bfcl" else synth.CATEGORIES
     for c in args.category or []:
@@ -160,8 +168,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             ap.error(f"unknown category {c!r} for split {args.split!r}; choose from {', '.join(known)}")
     if args.limit is not None and args.limit < 1:
         ap.error("--limit must be at least 1")
+    if args.max_tokens < 1:
+        ap.error("--max-tokens must be at least 1")
     if not 0.0 < args.budget <= 1.0:
         ap.error("--budget must be in (0, 1]")
+    if args.prefill_tokens is not None:
+        if args.prefill_tokens < 1:
+            ap.error("--prefill-tokens must be at least 1")
+        if args.policy not in PREFILL_POLICIES:
+            ap.error(f"--prefill-tokens applies to {', '.join(PREFILL_POLICIES)}, not {args.policy!r}")
+        if args.budget < 1.0:
+            ap.error("--prefill-tokens compresses the prompt only: leave --budget at 1.0")
     args.category = args.category or list(known)
     return args
 
@@ -177,11 +194,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.limit:
         items = [i for c in args.category for i in [x for x in items if x.category == c][: args.limit]]
     if args.backend == "hf":
-        runner = HFGreedyRunner(model_dir)
+        runner = HFGreedyRunner(model_dir, args.max_tokens)
     else:
         policy_args = {"table": str(args.pask_table)} if args.pask_table and args.policy == "pask" else {}
-        runner = EngineRunner(model_dir, args.policy, args.budget, args.grammar, policy_args=policy_args)
+        if args.prefill_tokens is not None:
+            policy_args["prefill_tokens"] = args.prefill_tokens
+        runner = EngineRunner(model_dir, args.policy, args.budget, args.grammar, args.max_tokens,
+                              policy_args=policy_args)
     summary = report(evaluate(runner, items), args.policy, args.budget, args.split)
+    if args.prefill_tokens is not None:
+        summary["prefill_tokens"] = args.prefill_tokens
     ratios = getattr(runner, "kv_ratios", None)
     if ratios:
         summary["kv_ratio_mean"] = sum(r[0] for r in ratios) / len(ratios)

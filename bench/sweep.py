@@ -1,13 +1,18 @@
 """Accuracy versus total KV budget for every policy, through the same harness.
 
     python -m bench.sweep [--policies P ...] [--budgets 1.0 0.5 0.33 0.25 0.15] [--split test]
-                          [--category C ...] [--limit N] [--out docs/results]
+                          [--category C ...] [--limit N] [--out docs/results] [--name sweep]
+    python -m bench.sweep --prefill-tokens 256 512 1024 --category long_context \
+        --policies full compilerkv snapkv pyramidkv h2o streaming_llm --name prefill_sweep
 
 Runs ``bench.accuracy`` for each (policy, budget) (full KV only at 1.0; greedy, tools grammar on
 unless ``--no-grammar``) and writes
-``sweep.md`` (table), ``sweep.json`` and ``sweep.png`` (accuracy vs budget, one line per policy)
-under ``--out``. Each row also gives the achieved budget ratio (mean and max over requests), which
-the engine holds at or below the requested budget.
+``<name>.md`` (table), ``<name>.json`` and ``<name>.png`` (accuracy vs budget, one line per
+policy) under ``--out``. Each row also gives the achieved budget ratio (mean and max over requests),
+which the engine holds at or below the requested budget. With ``--prefill-tokens`` the budgets are
+prompt tokens kept per layer instead (generated tokens all kept; ``bench.accuracy``'s
+``--prefill-tokens``). ``VARIANTS`` adds the ablations as policy names (CompilerKV without its
+head table, without its gate).
 """
 
 from __future__ import annotations
@@ -22,66 +27,97 @@ from replicas.errors import InvalidRequestError
 from replicas.policies import POLICIES
 
 BUDGETS = (1.0, 0.5, 0.33, 0.25, 0.15)
+# Ablations, run like policies: name -> (policy, policy arguments).
+VARIANTS = {"compilerkv-no-head-table": ("compilerkv", {"use_head_weights": False}),
+            "compilerkv-no-gate": ("compilerkv", {"use_gate": False})}
+CHOICES = (*POLICIES, *VARIANTS)
 
 
-def run(policies, budgets, split, categories, limit, model=None, grammar=True, pask_table=None) -> list[dict]:
+def resolve(name: str) -> tuple[str, dict]:
+    return VARIANTS[name] if name in VARIANTS else (name, {})
+
+
+def run(policies, budgets, split, categories, limit, model=None, grammar=True, pask_table=None,
+        prefill_tokens=None, max_tokens=256) -> list[dict]:
+    """One row per (policy, budget); with ``prefill_tokens`` (a list), per (policy, prompt tokens
+    kept per layer) at total budget 1.0. Full KV gives one row."""
+    if prefill_tokens:
+        cannot = [p for p in policies if p != "full" and resolve(p)[0] not in accuracy.PREFILL_POLICIES]
+        if cannot:
+            raise ValueError(f"--prefill-tokens applies to {', '.join(accuracy.PREFILL_POLICIES)}; not to {cannot}")
     rows = []
     items = accuracy.load_items(split, categories)
     if limit:
         items = [i for c in categories for i in [x for x in items if x.category == c][:limit]]
-    for policy in policies:
-        for budget in (budgets if policy != "full" else [1.0]):
+    for name in policies:
+        policy, variant_args = resolve(name)
+        points = [None] if policy == "full" else (prefill_tokens or budgets)
+        for point in points:
+            budget = 1.0 if prefill_tokens or point is None else point
             args = {"table": str(pask_table)} if policy == "pask" and pask_table else {}
+            args.update(variant_args)
+            if prefill_tokens and point is not None:
+                args["prefill_tokens"] = point
+            label = f"{name:<24} {'prefill tokens' if prefill_tokens else 'budget'} {point or 1.0:<5}"
             try:
                 runner = accuracy.EngineRunner(accuracy.resolve_checkpoint(model), policy, budget, grammar,
-                                               max_num_seqs=len(items), policy_args=args)
-                summary = accuracy.report(accuracy.evaluate(runner, items, progress=False), policy, budget, split)
+                                               max_tokens, max_num_seqs=len(items), policy_args=args)
+                summary = accuracy.report(accuracy.evaluate(runner, items, progress=False), name, budget, split)
             except InvalidRequestError as e:  # a policy that refuses a budget is a skipped row
-                print(f"{policy:<14} budget {budget:<5} skipped: {type(e).__name__}: {e}", flush=True)
+                print(f"{label} skipped: {type(e).__name__}: {e}", flush=True)
                 continue
+            if prefill_tokens:
+                summary["prefill_tokens"] = point
             ratios = runner.kv_ratios
             summary["kv_ratio_mean"] = sum(r[0] for r in ratios) / len(ratios)
             summary["kv_ratio_max"] = max(r[1] for r in ratios)
-            print(f"{policy:<14} budget {budget:<5} overall {100 * summary['overall']:.1f}%  "
+            print(f"{label} overall {100 * summary['overall']:.1f}%  "
                   f"ratio mean {summary['kv_ratio_mean']:.3f} max {summary['kv_ratio_max']:.3f}", flush=True)
             rows.append(summary)
     return rows
 
 
-def write(rows: list[dict], out: Path, categories: list[str]) -> None:
+def write(rows: list[dict], out: Path, categories: list[str], name: str = "sweep") -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_text(json.dumps(rows, indent=1) + "\n")
-    head = "| policy | budget | " + " | ".join(categories) + " | overall | ratio mean | ratio max |"
+    (out / f"{name}.json").write_text(json.dumps(rows, indent=1) + "\n")
+    prefill = any("prefill_tokens" in r for r in rows)
+    x_key, x_name = ("prefill_tokens", "prefill tokens") if prefill else ("budget", "budget")
+    head = f"| policy | {x_name} | " + " | ".join(categories) + " | overall | ratio mean | ratio max |"
     lines = [head, "|" + "---|" * (len(categories) + 5)]
     for r in rows:
         cells = " | ".join(f"{100 * r['accuracy'][c]:.1f}" for c in categories)
-        lines.append(f"| {r['policy']} | {r['budget']} | {cells} | {100 * r['overall']:.1f} | "
+        lines.append(f"| {r['policy']} | {r.get(x_key, 'all')} | {cells} | {100 * r['overall']:.1f} | "
                      f"{r['kv_ratio_mean']:.3f} | {r['kv_ratio_max']:.3f} |")
     n = rows[0]["num_examples"] if rows else {}
-    (out / "sweep.md").write_text(f"Accuracy (%) by total KV budget; examples per category: {n}\n\n"
-                                  + "\n".join(lines) + "\n")
+    what = "prompt tokens kept per layer (generated tokens all kept)" if prefill else "total KV budget"
+    (out / f"{name}.md").write_text(f"Accuracy (%) by {what}; examples per category: {n}\n\n"
+                                    + "\n".join(lines) + "\n")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
     full = [r for r in rows if r["policy"] == "full"]
     for policy in dict.fromkeys(r["policy"] for r in rows if r["policy"] != "full"):
-        pts = sorted((r["budget"], 100 * r["overall"]) for r in rows if r["policy"] == policy)
+        pts = sorted((r[x_key], 100 * r["overall"]) for r in rows if r["policy"] == policy)
         ax.plot(*zip(*pts), marker="o", label=policy)
     if full:
         ax.axhline(100 * full[0]["overall"], color="black", linestyle="--", label="full KV")
-    ax.set_xlabel("total KV budget (bytes held / full KV bytes)")
+    if prefill:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens kept per layer")
+    else:
+        ax.set_xlabel("total KV budget (bytes held / full KV bytes)")
     ax.set_ylabel("accuracy (%)")
-    ax.set_title("Function-calling accuracy vs KV budget")
+    ax.set_title(f"Function-calling accuracy vs {what}"[:80])
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "sweep.png", dpi=120)
+    fig.savefig(out / f"{name}.png", dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.sweep", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(CHOICES))
     ap.add_argument("--budgets", nargs="+", type=float, default=list(BUDGETS))
     ap.add_argument("--split", default="test", choices=("dev", "test"))
     ap.add_argument("--category", nargs="+", default=list(accuracy.synth.CATEGORIES))
@@ -91,17 +127,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-grammar", action="store_true", help="decode without the tools grammar "
                     "(PASK's structural tags then come from the lexer alone)")
     ap.add_argument("--pask-table", type=Path, help="PASK table folder (default: shipped for the model)")
+    ap.add_argument("--prefill-tokens", nargs="+", type=int,
+                    help="prompt tokens kept per layer (instead of --budgets; total budget 1.0)")
+    ap.add_argument("--name", default="sweep", help="stem of the output files")
+    ap.add_argument("--max-tokens", type=int, default=256, help="generated tokens per answer at most")
     args = ap.parse_args(argv)
     bad = [b for b in args.budgets if not 0.0 < b <= 1.0]
     if bad:
         ap.error(f"budgets must be in (0, 1]: {bad}")
+    if args.max_tokens < 1:
+        ap.error("--max-tokens must be at least 1")
+    if args.prefill_tokens:
+        if min(args.prefill_tokens) < 1:
+            ap.error(f"--prefill-tokens must be positive: {args.prefill_tokens}")
+        cannot = [p for p in args.policies if p != "full" and resolve(p)[0] not in accuracy.PREFILL_POLICIES]
+        if cannot:
+            ap.error(f"--prefill-tokens applies to {', '.join(accuracy.PREFILL_POLICIES)}, not to {cannot}")
     unknown = [c for c in args.category if c not in accuracy.synth.CATEGORIES]
     if unknown:
         ap.error(f"unknown categories {unknown}; choose from {', '.join(accuracy.synth.CATEGORIES)}")
     rows = run(args.policies, args.budgets, args.split, args.category, args.limit, args.model,
-               not args.no_grammar, args.pask_table)
-    write(rows, args.out, args.category)
-    print(f"wrote {args.out / 'sweep.md'}, sweep.json, sweep.png")
+               not args.no_grammar, args.pask_table, args.prefill_tokens, args.max_tokens)
+    write(rows, args.out, args.category, args.name)
+    print(f"wrote {args.out / (args.name + '.md')}, {args.name}.json, {args.name}.png")
     return 0
 
 

@@ -5,13 +5,18 @@ decode step, each layer keeps its highest-scoring tokens within its share of the
 
 Budget (see ``docs`` and design section 6): a sequence of ``n`` tokens may hold at most
 ``floor(b * L * ceil(n / block_size))`` pages over its ``L`` layers, i.e. bytes held / bytes full
-KV would hold <= b, checked after every step. :meth:`ScoredPolicy.layer_pages` splits the pages over
+KV would hold <= b, checked after every step. :meth:`ScoredPolicy.layer_split` splits the pages over
 layers (uniformly here; PyramidKV overrides it).
+
+Prefill budget (``prefill_tokens = B``, the KV-size setting of the SnapKV / PyramidKV LongBench
+experiments): each layer keeps at most ``B`` prompt tokens (on average over layers, for PyramidKV)
+plus every generated token, i.e. ``B + generated`` tokens; the total budget must then be 1.0.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,8 +58,14 @@ def attention_probs(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, k_pos
     return total
 
 
+@dataclass
 class ScoredPolicy(KVPolicy):
-    """Keep the top-scoring tokens of each layer within its page quota.
+    """Keep the top-scoring tokens of each layer within its quota.
+
+    Attributes:
+        prefill_tokens: None (default): the quota is the layer's share of the total budget, in
+            pages. An int ``B``: prompt tokens each layer keeps (see the module docstring);
+            keyword only.
 
     ``block_size`` (tokens per page) is set by the engine from its KV cache.
 
@@ -63,10 +74,26 @@ class ScoredPolicy(KVPolicy):
     earlier scores, as H2O does, in :meth:`observe_decode`).
     """
 
+    prefill_tokens: int | None = field(default=None, kw_only=True)
     block_size = 16
 
-    def layer_pages(self, num_layers: int, pages: int) -> list[int]:
-        return split_evenly(pages, num_layers)
+    def __post_init__(self):
+        if self.prefill_tokens is not None and (isinstance(self.prefill_tokens, bool)
+                                                or not isinstance(self.prefill_tokens, int)
+                                                or self.prefill_tokens < 1):
+            raise ValueError(f"prefill_tokens must be a positive int, got {self.prefill_tokens!r}")
+
+    def layer_split(self, num_layers: int, units: int, unit_tokens: int) -> list[int]:
+        """Split ``units`` (of ``unit_tokens`` tokens each: pages, or single tokens) over layers."""
+        return split_evenly(units, num_layers)
+
+    def layer_quotas(self, seq: Sequence, num_layers: int, budget: float, num_tokens: int) -> list[int]:
+        """Tokens each layer may keep when the sequence has ``num_tokens`` tokens."""
+        if self.prefill_tokens is None:
+            pages = total_pages(budget, num_layers, num_tokens, self.block_size)
+            return [p * self.block_size for p in self.layer_split(num_layers, pages, self.block_size)]
+        generated = max(0, num_tokens - len(seq.prompt_token_ids))
+        return [b + generated for b in self.layer_split(num_layers, self.prefill_tokens * num_layers, 1)]
 
     def min_tokens_per_layer(self) -> int:
         """Tokens every layer must be able to keep (e.g. attention sinks)."""
@@ -75,8 +102,17 @@ class ScoredPolicy(KVPolicy):
     def check(self, num_prompt_tokens: int, budget: float, kv: KVCache) -> None:
         cfg = kv.cfg
         self.block_size = cfg.block_size
+        if self.prefill_tokens is not None:
+            if budget < 1.0:
+                raise ValueError(f"policy {self.name!r} with prefill_tokens compresses the prompt only and "
+                                 f"keeps generated tokens: use kv_budget 1.0 (got {budget})")
+            fewest = min(self.layer_split(cfg.num_layers, self.prefill_tokens * cfg.num_layers, 1))
+            if fewest < min(self.min_tokens_per_layer(), num_prompt_tokens):
+                raise ValueError(f"policy {self.name!r} needs {self.min_tokens_per_layer()} tokens per layer, but "
+                                 f"prefill_tokens {self.prefill_tokens} leaves {fewest} in some layer")
+            return
         pages = total_pages(budget, cfg.num_layers, num_prompt_tokens, cfg.block_size)
-        fewest = min(self.layer_pages(cfg.num_layers, pages)) * cfg.block_size
+        fewest = min(self.layer_split(cfg.num_layers, pages, cfg.block_size)) * cfg.block_size
         if fewest < self.min_tokens_per_layer():
             raise ValueError(f"policy {self.name!r} needs {self.min_tokens_per_layer()} tokens per layer, but a "
                              f"budget of {budget} on a {num_prompt_tokens}-token prompt leaves {fewest} "
@@ -117,14 +153,12 @@ class ScoredPolicy(KVPolicy):
         return self.fit(view.seq, view.kv, view.budget, view.position + 1)
 
     def fit(self, seq: Sequence, kv: KVCache, budget: float, num_tokens: int) -> list[KVAction]:
-        """Release, in every layer, the lowest-scoring tokens above the layer's page quota."""
+        """Release, in every layer, the lowest-scoring tokens above the layer's quota."""
         cfg = kv.cfg
         self.block_size = cfg.block_size
-        pages = self.layer_pages(cfg.num_layers, total_pages(budget, cfg.num_layers, num_tokens, cfg.block_size))
         scores = seq.policy_state["scores"]
         actions = []
-        for layer, quota_pages in enumerate(pages):
-            quota = quota_pages * cfg.block_size
+        for layer, quota in enumerate(self.layer_quotas(seq, cfg.num_layers, budget, num_tokens)):
             kept = kv.kept(seq.request_id, layer)
             if len(kept) <= quota:
                 continue

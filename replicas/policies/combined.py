@@ -39,10 +39,7 @@ class CompilerKVPASKPolicy(KVPolicy):
         self.observation_window = self.window
 
     def bind_model(self, model_dir) -> None:
-        from calibration import shipped_table
         self.decode.bind_model(model_dir)
-        if self.prompt.tables is None and (shipped_table("compilerkv", model_dir) / "manifest.json").is_file():
-            self.prompt.tables = str(shipped_table("compilerkv", model_dir))
         self.prompt.bind_model(model_dir)
 
     @property

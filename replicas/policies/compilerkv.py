@@ -12,8 +12,9 @@ Source: CompilerKV (design section 5). After prefill, each layer scores the prom
    mass reaches ``T``, clamped to the top-``B`` (5.4). The observation window is always kept.
 
 Prefill only: generated tokens are kept at HIGH (``kv_budget`` 1.0) or left to PASK in the combined
-policy. The tables come from ``python -m calibration compilerkv``; without them (``tables=None``)
-the policy runs with W = 1 and T = 1 (a plain pooled, value-weighted SnapKV-style top-B).
+policy. The tables come from ``python -m calibration compilerkv``; the ones shipped for the served
+model are used by default, and a model without tables runs with W = 1 and T = 1 (a plain pooled,
+value-weighted SnapKV-style top-B).
 """
 
 from __future__ import annotations
@@ -130,6 +131,10 @@ class CompilerKVTables:
         p = int(torch.bucketize(torch.tensor(ppl), self.ppl_edges))
         return self.head_weights[b, layer], float(self.gate[b, layer, e, p])
 
+    def mean_threshold(self, budget_tokens: int) -> float:
+        """Mean of the gate over layers and bins at the nearest compiled budget."""
+        return float(self.gate[self.index(budget_tokens)].float().mean())
+
     def to_tables(self) -> dict[str, torch.Tensor]:
         return {"budgets": self.budgets, "head_weights": self.head_weights, "gate": self.gate,
                 "entropy_edges": self.entropy_edges, "ppl_edges": self.ppl_edges}
@@ -146,9 +151,11 @@ class CompilerKVPolicy(KVPolicy):
         prefill_fraction: B as a fraction of the prompt instead (exclusive with ``prefill_tokens``).
         window: observation window (last prompt tokens; always kept).
         kernel: pooling width of the utility.
-        tables: :class:`CompilerKVTables`, an artifact folder, or None (W = 1, T = 1).
+        tables: :class:`CompilerKVTables`, an artifact folder, or None (the tables shipped for
+            the model, when there are some; else W = 1, T = 1).
         use_head_weights / use_gate: ablation switches (False = W = 1 / T = ``fixed_threshold``).
-        fixed_threshold: the threshold without the gate.
+        fixed_threshold: the threshold without the gate; None = the mean of the compiled gate at
+            the budget (the same average strictness, without risk adaptation), 1.0 without tables.
     """
     prefill_tokens: int | None = None
     prefill_fraction: float | None = None
@@ -157,7 +164,7 @@ class CompilerKVPolicy(KVPolicy):
     tables: CompilerKVTables | str | None = None
     use_head_weights: bool = True
     use_gate: bool = True
-    fixed_threshold: float = 1.0
+    fixed_threshold: float | None = None
     name = "compilerkv"
     _loaded: bool = field(default=False, repr=False)
 
@@ -171,11 +178,18 @@ class CompilerKVPolicy(KVPolicy):
                 raise ValueError(f"prefill_fraction must be in (0, 1], got {self.prefill_fraction}")
         if self.window < 1:
             raise ValueError(f"window must be positive, got {self.window}")
+        if self.fixed_threshold is not None and not 0.0 < self.fixed_threshold <= 1.0:
+            raise ValueError(f"fixed_threshold must be in (0, 1], got {self.fixed_threshold}")
         self.observation_window = self.window
         self.wants_window_ppl = True
 
     def bind_model(self, model_dir) -> None:
-        """Load ``tables`` when given as a folder (validated against ``model_dir``)."""
+        """Load ``tables`` when given as a folder, or the ones shipped for ``model_dir`` when None
+        (validated against the model: a wrong fingerprint or checksum raises ``ArtifactError``)."""
+        if self.tables is None:
+            from calibration import shipped_table
+            if (shipped_table("compilerkv", model_dir) / "manifest.json").is_file():
+                self.tables = str(shipped_table("compilerkv", model_dir))
         if isinstance(self.tables, str):
             from calibration.artifacts import load_artifact
             self.tables = CompilerKVTables.from_tables(load_artifact(self.tables, "compilerkv", model_dir).tables)
@@ -198,13 +212,14 @@ class CompilerKVPolicy(KVPolicy):
         n = view.num_prefilled
         q_pos = torch.arange(n - q.shape[0], n)
         util, entropy = token_utility(q, q_pos, k, v, positions.cpu(), self.kernel)
-        weights, threshold = torch.ones(util.shape[0]), self.fixed_threshold
+        weights, threshold = torch.ones(util.shape[0]), 1.0
         if isinstance(self.tables, CompilerKVTables):
             w, t = self.tables.lookup(budget_tokens, layer, entropy, view.window_ppl or 1.0)
             if self.use_head_weights:
                 weights = w.float()
-            if self.use_gate:
-                threshold = t
+            threshold = t if self.use_gate else self.tables.mean_threshold(budget_tokens)
+        if not self.use_gate and self.fixed_threshold is not None:
+            threshold = self.fixed_threshold
         return positions.cpu(), combine_heads(util, weights), threshold
 
     def on_prefill(self, view: PrefillView) -> list[KVAction]:

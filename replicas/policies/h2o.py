@@ -27,6 +27,7 @@ class H2OPolicy(ScoredPolicy):
     record_decode_queries = True
 
     def __post_init__(self):
+        super().__post_init__()
         if not 0.0 <= self.recent_ratio <= 1.0:
             raise ValueError(f"recent_ratio must be in [0, 1], got {self.recent_ratio}")
 

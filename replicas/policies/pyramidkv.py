@@ -26,18 +26,18 @@ class PyramidKVPolicy(SnapKVPolicy):
         if self.beta < 1:
             raise ValueError(f"beta must be >= 1, got {self.beta}")
 
-    def layer_pages(self, num_layers, pages):
-        block = self.block_size
-        mean = pages * block / num_layers
+    def layer_split(self, num_layers, units, unit_tokens):
+        block = unit_tokens
+        mean = units * block / num_layers
         if num_layers == 1 or mean <= self.window_size:
-            return split_evenly(pages, num_layers)
+            return split_evenly(units, num_layers)
         extra = mean - self.window_size
         low = extra / self.beta
         step = (2 * extra - 2 * low) / (num_layers - 1)
         shares = [(self.window_size + 2 * extra - low - i * step) / block for i in range(num_layers)]
         out = [int(s) for s in shares]
-        # Hand out the pages lost to rounding, largest remainder first, so the total is exact.
+        # Hand out the units lost to rounding, largest remainder first, so the total is exact.
         order = sorted(range(num_layers), key=lambda i: shares[i] - out[i], reverse=True)
-        for i in order[: pages - sum(out)]:
+        for i in order[: units - sum(out)]:
             out[i] += 1
         return out

@@ -34,6 +34,7 @@ class SnapKVPolicy(ScoredPolicy):
     name = "snapkv"
 
     def __post_init__(self):
+        super().__post_init__()
         if self.window_size < 1 or self.kernel_size < 1 or self.kernel_size % 2 == 0:
             raise ValueError(f"window_size must be >= 1 and kernel_size odd: {self}")
         if self.pooling not in ("avg", "max"):

@@ -21,6 +21,7 @@ class StreamingLLMPolicy(ScoredPolicy):
     name = "streaming_llm"
 
     def __post_init__(self):
+        super().__post_init__()
         if self.num_sinks < 0:
             raise ValueError(f"num_sinks must be >= 0, got {self.num_sinks}")
 

@@ -36,3 +36,32 @@ def test_corrupted_data_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("BFCL_DIR", str(tmp_path))
     assert accuracy.main(["--split", "bfcl", "--category", "parallel"]) == 2
     assert "BFCL_v4_parallel.json:2: not valid JSON" in capsys.readouterr().err
+
+
+def test_prefill_tokens_bad_combinations(capsys):
+    for argv, msg in ((["--policy", "pask", "--prefill-tokens", "256"], "applies to"),
+                      (["--policy", "snapkv", "--prefill-tokens", "0"], "at least 1"),
+                      (["--policy", "snapkv", "--prefill-tokens", "256", "--budget", "0.5"], "leave --budget at 1.0")):
+        with pytest.raises(SystemExit) as e:
+            accuracy.main(argv)
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_prefill_sweep_on_long_context(tmp_path, capsys):
+    """A prefill-token sweep row per (policy, B), full KV once, the CompilerKV gate ablation as a
+    policy name; the prompt is cut to B tokens per layer, so the achieved ratio is well below 1."""
+    from bench import sweep
+    assert sweep.main(["--prefill-tokens", "256", "--category", "long_context", "--limit", "1",
+                       "--policies", "full", "snapkv", "compilerkv-no-gate", "--out", str(tmp_path),
+                       "--name", "p", "--max-tokens", "8"]) == 0
+    rows = json.loads((tmp_path / "p.json").read_text())
+    assert [(r["policy"], r.get("prefill_tokens")) for r in rows] == [
+        ("full", None), ("snapkv", 256), ("compilerkv-no-gate", 256)]
+    for r in rows[1:]:
+        # ~3,000-token prompts cut to 256 + generated tokens per layer
+        assert r["kv_ratio_max"] < 0.25
+    assert rows[0]["kv_ratio_max"] == pytest.approx(1.0)
+    assert (tmp_path / "p.png").stat().st_size > 0 and "| prefill tokens |" in (tmp_path / "p.md").read_text()
+    with pytest.raises(SystemExit):
+        sweep.main(["--prefill-tokens", "256", "--policies", "pask"])
+    assert "applies to" in capsys.readouterr().err

@@ -121,3 +121,48 @@ def test_budget_as_a_fraction_of_the_prompt():
         CompilerKVPolicy(prefill_tokens=64, prefill_fraction=0.5)
     with pytest.raises(ValueError, match="prefill_fraction"):
         CompilerKVPolicy(prefill_fraction=1.5)
+
+
+def two_head_view(n=24, d=8):
+    """A prompt whose head 0 looks at token 5 and head 1 (a little more sharply) at token 17."""
+    from replicas.kv_cache import KVCache, KVCacheConfig
+    from replicas.policy import PrefillView
+    from replicas.sequence import Sequence
+    torch.manual_seed(0)
+    kv = KVCache(KVCacheConfig(num_layers=1, num_kv_heads=2, head_dim=d, block_size=4, max_bytes=1 << 22))
+    kv.add_sequence("s")
+    keys = torch.randn(n, 2, d) * 0.05
+    keys[5, 0, 0], keys[17, 1, 0] = 6.0, 7.0
+    kv.append("s", 0, range(n), keys, torch.ones(n, 2, d))
+    q = torch.zeros(4, 2, d)
+    q[:, :, 0] = 1.0
+    return PrefillView(Sequence("s", list(range(n)), SamplingParams()), kv, n, {0: q}, 1.0, window_ppl=3.0)
+
+
+def test_ablation_switches_drop_the_head_table_and_the_gate():
+    t = CompilerKVTables(torch.tensor([8]), torch.tensor([[[1.5, 0.5]]]), torch.tensor([[[[0.6], [0.9]]]]),
+                         torch.tensor([0.5]), torch.empty(0))
+    view = two_head_view()
+    full = CompilerKVPolicy(prefill_tokens=8, window=4, kernel=1, tables=t)
+    _, score, thr = full.layer_scores(view, 0, 5)
+    assert int(score.argmax()) == 5                   # head 0 weighted up: its token wins
+    assert thr in (pytest.approx(0.6), pytest.approx(0.9))   # the gate cell of this prompt's bins
+    _, score, thr_nh = CompilerKVPolicy(prefill_tokens=8, window=4, kernel=1, tables=t,
+                                        use_head_weights=False).layer_scores(view, 0, 5)
+    assert int(score.argmax()) == 17 and thr_nh == thr   # equal weights: the sharper head wins
+    _, _, thr = CompilerKVPolicy(prefill_tokens=8, window=4, kernel=1, tables=t, use_gate=False).layer_scores(view, 0, 5)
+    assert thr == pytest.approx(0.75) == t.mean_threshold(5)   # mean of the compiled gate
+    _, _, thr = CompilerKVPolicy(prefill_tokens=8, window=4, kernel=1, tables=t, use_gate=False,
+                                 fixed_threshold=0.95).layer_scores(view, 0, 5)
+    assert thr == pytest.approx(0.95)
+    with pytest.raises(ValueError, match="fixed_threshold"):
+        CompilerKVPolicy(fixed_threshold=0.0)
+
+
+def test_shipped_tables_are_the_default(engine):
+    from calibration import shipped_table
+    from models import EMBEDDED_MODEL_DIR
+    p = CompilerKVPolicy(prefill_tokens=64)
+    p.bind_model(EMBEDDED_MODEL_DIR)
+    assert (shipped_table("compilerkv", EMBEDDED_MODEL_DIR) / "manifest.json").is_file()
+    assert isinstance(p.tables, CompilerKVTables)

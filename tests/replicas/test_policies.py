@@ -84,7 +84,7 @@ def test_snapkv_pooling_keeps_neighbours():
 
 def test_pyramidkv_budgets_decrease_with_depth_same_total():
     p = PyramidKVPolicy(window_size=4)
-    pages = p.layer_pages(6, 60)
+    pages = p.layer_split(6, 60, 4)
     assert sum(pages) == 60 and pages == sorted(pages, reverse=True) and pages[0] > pages[-1]
     kv, _, _ = run_prefill(PyramidKVPolicy(window_size=4, kernel_size=1))
     # 8 pages over 2 layers: window 4 + a pyramid over the remaining 12 tokens per layer (beta 20)
@@ -150,3 +150,69 @@ def test_bad_settings_refused_before_work(engine, chat_prompts):
     kv, _, _ = build()
     with pytest.raises(ValueError, match="needs 40 tokens per layer"):
         StreamingLLMPolicy(num_sinks=40).check(N, 0.5, kv)
+
+
+# ------------------------------------------------------------------ prefill budget (token count)
+def decode_steps(policy, kv, seq, steps, budget=1.0, layers=2):
+    """Append ``steps`` decode tokens, letting the policy act after each; yields the position."""
+    direction = torch.zeros(D)
+    direction[0] = 1.0
+    for step in range(steps):
+        pos = N + step
+        for layer in range(layers):
+            kv.append("s", layer, [pos], torch.randn(1, 1, D) * 0.1, torch.randn(1, 1, D))
+        seq.output_token_ids.append(0)
+        view = DecodeView(seq, kv, pos, budget, {l: direction.expand(2, D).clone() for l in range(layers)})
+        for a in policy.on_decode(view):
+            kv.set_precision("s", a.layer, a.positions, a.precision)
+        yield pos
+
+
+def test_streaming_llm_prefill_tokens_keeps_sinks_and_last():
+    kv, seq, _ = run_prefill(StreamingLLMPolicy(prefill_tokens=10), budget=1.0)
+    assert kept(kv, 0) == kept(kv, 1) == [0, 1, 2, 3] + list(range(26, 32))
+
+
+def test_snapkv_prefill_tokens_keeps_heavy_window_and_every_generated_token():
+    policy = SnapKVPolicy(window_size=4, kernel_size=1, prefill_tokens=6)
+    kv, seq, _ = run_prefill(policy, budget=1.0)
+    prompt_kept = kept(kv, 0)
+    assert prompt_kept == sorted([*HEAVY, 28, 29, 30, 31])
+    for pos in decode_steps(policy, kv, seq, 12):
+        for layer in range(2):
+            assert kept(kv, layer) == prompt_kept + list(range(N, pos + 1))
+
+
+@pytest.mark.parametrize("name", list(BASELINES))
+def test_prefill_tokens_quota_is_b_plus_generated(name):
+    B = 8
+    policy = make_policy(name, prefill_tokens=B, **({"window_size": 4} if name in ("snapkv", "pyramidkv") else {}))
+    kv, seq, _ = run_prefill(policy, budget=1.0)
+    assert sum(len(kept(kv, l)) for l in range(2)) == 2 * B
+    ever_released = {l: set(range(N)) - set(kept(kv, l)) for l in range(2)}
+    for pos in decode_steps(policy, kv, seq, 10):
+        generated = pos + 1 - N
+        assert sum(len(kept(kv, l)) for l in range(2)) == 2 * (B + generated)
+        for layer in range(2):
+            now = set(kept(kv, layer))
+            assert not now & ever_released[layer]
+            ever_released[layer] |= set(range(pos + 1)) - now
+
+
+def test_pyramidkv_prefill_tokens_split_decreases_with_depth():
+    p = PyramidKVPolicy(window_size=4, kernel_size=1, prefill_tokens=12)
+    kv, _, _ = run_prefill(p, budget=1.0)
+    counts = [len(kept(kv, l)) for l in range(2)]
+    assert sum(counts) == 24 and counts[0] > counts[1] >= 4
+
+
+def test_prefill_tokens_bad_settings_refused():
+    kv, _, _ = build()
+    for bad in (0, -3, 1.5, True):
+        with pytest.raises(ValueError, match="prefill_tokens must be a positive int"):
+            SnapKVPolicy(prefill_tokens=bad)
+    with pytest.raises(ValueError, match="use kv_budget 1.0"):
+        H2OPolicy(prefill_tokens=16).check(N, 0.5, kv)
+    with pytest.raises(ValueError, match="needs 4 tokens per layer"):
+        StreamingLLMPolicy(prefill_tokens=2).check(N, 1.0, kv)
+    StreamingLLMPolicy(prefill_tokens=2).check(2, 1.0, kv)  # a prompt within B is never compressed
