@@ -80,6 +80,8 @@ class Workload:
         body = {**base, "messages": [{"role": "user", "content": "Fill in this form with plausible values."}],
                 "response_format": {"type": "json_schema", "json_schema": {"name": "form", "schema": schema}},
                 "max_tokens": 96, "stream": kind in ("stream", "cancel")}
+        if body["stream"]:
+            body["stream_options"] = {"include_usage": True}
         return kind, body, schema
 
 
@@ -182,7 +184,7 @@ class Soak:
             return "failed otherwise: stream cut", last[:200]
         if kind == "cancel":
             return "failed otherwise: stream ended before the hang-up", ""
-        final = json.loads(events[-2])
+        usage, final = json.loads(events[-2]), json.loads(events[-3])   # usage chunk, finish chunk
         if final["choices"][0]["finish_reason"] == "stop":
             try:
                 jsonschema.validate(json.loads(content), schema)
@@ -193,7 +195,7 @@ class Soak:
                 self.ttft.append(stamps[0] - t0)
             if len(stamps) > 1:
                 self.itl.extend(b - a for a, b in zip(stamps, stamps[1:]))
-            self.tokens_ok += final.get("usage", {}).get("completion_tokens", 0)
+            self.tokens_ok += usage["usage"]["completion_tokens"]
         return "succeeded", ""
 
 

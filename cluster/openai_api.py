@@ -336,12 +336,13 @@ class OpenAIServer:
             APIError: before the first item, for anything the request got wrong (4xx) or a full
                 queue (429) or a failed engine (503); later failures end the stream with an error event.
         """
+        usage = _StreamUsage(self, req)
         ids, params, grammar, parse_tools = self.chat_request(req)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", now()
         stream = self.run(ids, params, grammar, req.kv_budget)
         first = await _first(stream)
         if req.stream:
-            async for event in _chat_stream(self, rid, created, req.model, first, stream, parse_tools):
+            async for event in _chat_stream(self, rid, created, req.model, first, stream, parse_tools, usage):
                 yield event
             return
         out = first
@@ -354,12 +355,13 @@ class OpenAIServer:
 
     async def completion(self, req: CompletionRequest) -> AsyncIterator[dict | str]:
         """Answer one text completion, as :meth:`chat` does."""
+        usage = _StreamUsage(self, req)
         ids, params, grammar = self.completion_request(req)
         rid, created = f"cmpl-{uuid.uuid4().hex}", now()
         stream = self.run(ids, params, grammar, req.kv_budget, "structured_outputs")
         first = await _first(stream)
         if req.stream:
-            async for event in _completion_stream(self, rid, created, req.model, first, stream):
+            async for event in _completion_stream(self, rid, created, req.model, first, stream, usage):
                 yield event
             return
         out = first
@@ -689,9 +691,36 @@ class _LogprobCursor:
         return {"logprobs": self.render(entries)}
 
 
-async def _chat_stream(server, rid, created, model, first, stream, parse_tools):
+class _StreamUsage:
+    """OpenAI's ``stream_options``: without ``include_usage`` no chunk carries usage; with it every
+    chunk has ``usage: null`` (the counts so far with vLLM's ``continuous_usage_stats``) and a last
+    chunk with no choices carries the request's usage.
+
+    Raises:
+        APIError: 400 for ``stream_options`` on a request that does not stream (as OpenAI and vLLM).
+    """
+
+    def __init__(self, server, req):
+        options = req.stream_options
+        if options is not None and not req.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        self.server = server
+        self.include = bool(options and options.include_usage)
+        self.continuous = self.include and options.continuous_usage_stats
+
+    def chunk(self, body: dict, out: RequestOutput) -> str:
+        if self.include:
+            body["usage"] = self.server.usage(out) if self.continuous else None
+        return _sse(body)
+
+    def last(self, base: dict, out: RequestOutput) -> list[str]:
+        return [_sse({**base, "choices": [], "usage": self.server.usage(out)})] if self.include else []
+
+
+async def _chat_stream(server, rid, created, model, first, stream, parse_tools, usage: _StreamUsage):
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-    yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+    yield usage.chunk({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                            "finish_reason": None}]}, first)
     sent, out, logprobs = 0, first, _LogprobCursor(server.logprobs.chat)
 
     try:
@@ -700,8 +729,8 @@ async def _chat_stream(server, rid, created, model, first, stream, parse_tools):
             # tools, the answer's content is stripped, so leading and trailing whitespace wait.
             visible = _streamable(out.text).strip() if parse_tools else out.text
             if len(visible) > sent:
-                yield _sse({**base, "choices": [{"index": 0, "delta": {"content": visible[sent:]}, "finish_reason": None,
-                                                 **logprobs(out)}]})
+                yield usage.chunk({**base, "choices": [{"index": 0, "delta": {"content": visible[sent:]},
+                                                        "finish_reason": None, **logprobs(out)}]}, out)
                 sent = len(visible)
     except APIError as e:
         yield error_event(e)
@@ -709,20 +738,21 @@ async def _chat_stream(server, rid, created, model, first, stream, parse_tools):
     message, has_calls = _message(out, parse_tools)
     content = message["content"] or ""   # what was sent is a prefix of it
     if len(content) > sent:
-        yield _sse({**base, "choices": [{"index": 0, "delta": {"content": content[sent:]}, "finish_reason": None,
-                                         **({} if has_calls else logprobs(out))}]})
+        yield usage.chunk({**base, "choices": [{"index": 0, "delta": {"content": content[sent:]}, "finish_reason": None,
+                                                **({} if has_calls else logprobs(out))}]}, out)
     if has_calls:
         deltas = [{"index": i, "id": c["id"], "type": "function", "function": c["function"]}
                   for i, c in enumerate(message["tool_calls"])]
-        yield _sse({**base, "choices": [{"index": 0, "delta": {"tool_calls": deltas}, "finish_reason": None,
-                                         **logprobs(out)}]})
-    yield _sse({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": _finish_reason(out, has_calls),
-                                     **logprobs(out, only_if_left=True)}],
-                "usage": server.usage(out)})
+        yield usage.chunk({**base, "choices": [{"index": 0, "delta": {"tool_calls": deltas}, "finish_reason": None,
+                                                **logprobs(out)}]}, out)
+    yield usage.chunk({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": _finish_reason(out, has_calls),
+                                            **logprobs(out, only_if_left=True)}]}, out)
+    for event in usage.last(base, out):
+        yield event
     yield "data: [DONE]\n\n"
 
 
-async def _completion_stream(server, rid, created, model, first, stream):
+async def _completion_stream(server, rid, created, model, first, stream, usage: _StreamUsage):
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
     offsets = TextOffsets(server.tokenizer)
     sent, out, logprobs = 0, first, _LogprobCursor(lambda entries: server.logprobs.completion(entries, offsets))
@@ -730,13 +760,14 @@ async def _completion_stream(server, rid, created, model, first, stream):
     try:
         async for out in _outputs(first, stream):
             if len(out.text) > sent:
-                yield _sse({**base, "choices": [{"index": 0, "text": out.text[sent:], "finish_reason": None,
-                                                 **logprobs(out)}]})
+                yield usage.chunk({**base, "choices": [{"index": 0, "text": out.text[sent:], "finish_reason": None,
+                                                        **logprobs(out)}]}, out)
                 sent = len(out.text)
     except APIError as e:
         yield error_event(e)
         return
-    yield _sse({**base, "choices": [{"index": 0, "text": "", "finish_reason": _finish_reason(out, False),
-                                     **logprobs(out, only_if_left=True)}],
-                "usage": server.usage(out)})
+    yield usage.chunk({**base, "choices": [{"index": 0, "text": "", "finish_reason": _finish_reason(out, False),
+                                            **logprobs(out, only_if_left=True)}]}, out)
+    for event in usage.last(base, out):
+        yield event
     yield "data: [DONE]\n\n"

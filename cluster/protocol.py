@@ -138,6 +138,13 @@ def refuse_unsupported(data: dict, table: dict[str, tuple]) -> None:
             raise ValueError(f"{key} is not supported by this server{hint}")
 
 
+class StreamOptions(_Body):
+    include_usage: bool = Field(False, description="Send a last chunk (no choices) with the usage; every "
+                                "other chunk then has `usage: null`.")
+    continuous_usage_stats: bool = Field(False, description="Extension (vLLM's): with `include_usage`, every "
+                                         "chunk carries the usage so far.")
+
+
 class SamplingFields(_Body):
     endpoint_not_supported: ClassVar[dict[str, tuple]] = {}   # the endpoint's own refused fields
 
@@ -150,7 +157,7 @@ class SamplingFields(_Body):
             refuse_unsupported(data, {**NOT_SUPPORTED, **cls.endpoint_not_supported})
             nullable = ("temperature", "top_p", "n", "stream", "parallel_tool_calls", "ignore_eos", "logprobs",
                         "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                        "logit_bias", "stop_token_ids", "include_stop_str_in_output")
+                        "logit_bias", "stop_token_ids", "include_stop_str_in_output", "stream_options")
             data = {k: v for k, v in data.items() if not (v is None and k in nullable)}
         return data
 
@@ -170,6 +177,7 @@ class SamplingFields(_Body):
     stop: str | list[str] | None = None
     n: Literal[1] = Field(1, description="Only one choice per request is supported.")
     stream: bool = False
+    stream_options: StreamOptions | None = Field(None, description="Only with `stream` (OpenAI's).")
     ignore_eos: bool = Field(False, description="Extension (as vLLM's): keep generating past EOS (benchmarks).")
     kv_budget: float | None = Field(None, gt=0.0, le=1.0,
                                     description="Extension: total KV budget of this request (fraction of full KV).")

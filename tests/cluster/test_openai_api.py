@@ -454,3 +454,24 @@ def test_response_format_with_tools_and_refused_fields_name_themselves(app):
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
     r = call(app, "POST", "/v1/completions", {"model": MODEL, "prompt": "x", "stop": [""]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+
+
+@pytest.mark.parametrize("path,body", [("/v1/chat/completions", chat(max_tokens=6)),
+                                       ("/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 6})])
+def test_stream_options_usage(app, path, body):
+    """OpenAI's stream_options: no usage unless asked; include_usage adds a last chunk with no
+    choices and the totals (other chunks say usage: null); vLLM's continuous_usage_stats counts as it goes."""
+    total = call(app, "POST", path, body).json()["usage"]
+    assert all("usage" not in c for c in _stream_chunks(app, path, body))
+    chunks = _stream_chunks(app, path, {**body, "stream_options": {"include_usage": True}})
+    assert all(c["usage"] is None and c["choices"] for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == total["completion_tokens"]
+    assert chunks[-1]["usage"]["prompt_tokens"] == total["prompt_tokens"]
+    chunks = _stream_chunks(app, path, {**body, "stream_options": {"include_usage": True,
+                                                                   "continuous_usage_stats": True}})
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == total["completion_tokens"] and counts[0] < counts[-1]
+    assert _stream_chunks(app, path, {**body, "stream_options": None})  # null means unset
+    r = call(app, "POST", path, {**body, "stream_options": {"include_usage": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+    assert "only allowed when stream is true" in r.json()["error"]["message"]
