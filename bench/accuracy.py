@@ -93,7 +93,7 @@ class EngineRunner:
         self.grammar, self.max_new_tokens = grammar, max_new_tokens
         self.kv_ratios: list[tuple[float, float]] = []
 
-    def run_all(self, items: list[Item], progress: bool = True) -> list[str]:
+    def run_all(self, items: list[Item], progress: bool = True, desc: str = "eval") -> list[str]:
         from replicas.grammar import GrammarSpec
         from replicas.sampling_params import SamplingParams
         eng, params = self.engine, SamplingParams(max_tokens=self.max_new_tokens)
@@ -103,7 +103,7 @@ class EngineRunner:
                                                     return_dict=True)["input_ids"]
             spec = GrammarSpec("tools", {"tools": item.tools, "tool_choice": "auto"}) if self.grammar else None
             eng.add_request(item.id, ids, params, spec)
-        with tqdm(total=len(items), desc="eval", disable=not progress, dynamic_ncols=True) as bar:
+        with tqdm(total=len(items), desc=desc, disable=not progress, dynamic_ncols=True) as bar:
             while eng.has_unfinished():
                 for out in eng.step():
                     if out.finished:
@@ -121,11 +121,11 @@ def score(item: Item, text: str) -> bool:
     return check(item.functions, calls, item.ground_truth, item.category).valid
 
 
-def evaluate(runner, items: list[Item], progress: bool = True) -> dict[str, list[bool]]:
+def evaluate(runner, items: list[Item], progress: bool = True, desc: str = "eval") -> dict[str, list[bool]]:
     if hasattr(runner, "run_all"):
-        texts = runner.run_all(items, progress)
+        texts = runner.run_all(items, progress, desc)
     else:
-        texts = [runner(i) for i in tqdm(items, desc="eval", disable=not progress, dynamic_ncols=True)]
+        texts = [runner(i) for i in tqdm(items, desc=desc, disable=not progress, dynamic_ncols=True)]
     results: dict[str, list[bool]] = {}
     for item, text in zip(items, texts):
         results.setdefault(item.category, []).append(score(item, text))

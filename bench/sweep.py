@@ -58,20 +58,20 @@ def run(policies, budgets, split, categories, limit, model=None, grammar=True, p
             args.update(variant_args)
             if prefill_tokens and point is not None:
                 args["prefill_tokens"] = point
-            label = f"{name:<24} {'prefill tokens' if prefill_tokens else 'budget'} {point or 1.0:<5}"
+            label = f"{name} {'prefill tokens' if prefill_tokens else 'budget'} {point or 1.0}"
             try:
                 runner = accuracy.EngineRunner(accuracy.resolve_checkpoint(model), policy, budget, grammar,
                                                max_tokens, max_num_seqs=len(items), policy_args=args)
-                summary = accuracy.report(accuracy.evaluate(runner, items, progress=False), name, budget, split)
+                summary = accuracy.report(accuracy.evaluate(runner, items, True, label), name, budget, split)
             except InvalidRequestError as e:  # a policy that refuses a budget is a skipped row
-                print(f"{label} skipped: {type(e).__name__}: {e}", flush=True)
+                print(f"{label:<40} skipped: {type(e).__name__}: {e}", flush=True)
                 continue
             if prefill_tokens:
                 summary["prefill_tokens"] = point
             ratios = runner.kv_ratios
             summary["kv_ratio_mean"] = sum(r[0] for r in ratios) / len(ratios)
             summary["kv_ratio_max"] = max(r[1] for r in ratios)
-            print(f"{label} overall {100 * summary['overall']:.1f}%  "
+            print(f"{label:<40} overall {100 * summary['overall']:.1f}%  "
                   f"ratio mean {summary['kv_ratio_mean']:.3f} max {summary['kv_ratio_max']:.3f}", flush=True)
             rows.append(summary)
     return rows
