@@ -230,8 +230,10 @@ def compile_tables(cfg: CompilerKVCalibrationConfig, out: Path, executor, progre
     W = torch.tensor([[[WEIGHT_ARMS[wb.greedy((b, l, h))] for h in range(H)] for l in range(L)] for b in cfg.budgets])
     T = torch.tensor([[[[GATE_ARMS[gb.greedy((b, l, e, q))] for q in range(cfg.ppl_bins)]
                         for e in range(cfg.entropy_bins)] for l in range(L)] for b in cfg.budgets])
+    visits = torch.tensor([[[[float(sum(gb.count.get((b, l, e, q), [0]))) for q in range(cfg.ppl_bins)]
+                             for e in range(cfg.entropy_bins)] for l in range(L)] for b in cfg.budgets])
     tables = {"budgets": torch.tensor(cfg.budgets), "head_weights": W.float(), "gate": T.float(),
-              "entropy_edges": ent_edges.float(), "ppl_edges": ppl_edges.float()}
+              "gate_visits": visits, "entropy_edges": ent_edges.float(), "ppl_edges": ppl_edges.float()}
     meta = {"estimator": {"name": "epsilon-greedy contextual bandit over logged rollouts", "epsilon": cfg.epsilon,
                           "weight_arms": list(WEIGHT_ARMS), "gate_arms": list(GATE_ARMS),
                           "reward": "-(NLL_compressed - NLL_full) - price * kept / B", "price": cfg.price,

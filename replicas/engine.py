@@ -199,6 +199,8 @@ class LLMEngine:
             except ValueError as e:
                 raise InvalidRequestError(str(e), "kv_budget") from None
             floor = self.policy.prompt_floor(labels, self.kv)
+        if getattr(self.policy, "prompt_only", False):
+            floor = 1.0  # compresses the prompt to a token count: a lower budget has nothing to act on
         matcher = self.grammar.matcher(grammar) if grammar is not None else None
         seq = Sequence(request_id, ids, params, matcher=matcher, kv_budget=budget, requested_budget=budget,
                        floor_budget=floor,
@@ -234,7 +236,9 @@ class LLMEngine:
     @property
     def floor_budget(self) -> float:
         """The lowest budget worth asking of this replica: the policy's calibrated floor cost
-        (0 for policies without floors)."""
+        (0 for policies without floors; 1 for policies that compress the prompt only)."""
+        if getattr(self.policy, "prompt_only", False):
+            return 1.0
         return float(getattr(self.policy, "floor_cost", 0.0))
 
     def load_table(self, kind: str, folder: str | Path, version: str) -> None:

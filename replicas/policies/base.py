@@ -9,8 +9,10 @@ KV would hold <= b, checked after every step. :meth:`ScoredPolicy.layer_split` s
 layers (uniformly here; PyramidKV overrides it).
 
 Prefill budget (``prefill_tokens = B``, the KV-size setting of the SnapKV / PyramidKV LongBench
-experiments): each layer keeps at most ``B`` prompt tokens (on average over layers, for PyramidKV)
-plus every generated token, i.e. ``B + generated`` tokens; the total budget must then be 1.0.
+experiments): after prefill each layer keeps ``B`` prompt tokens (on average over layers, for
+PyramidKV); each generated token then adds one to every layer's quota (``B + generated``). SnapKV,
+PyramidKV, StreamingLLM and recency rank generated tokens first, so they keep them all; H2O and
+random choose among all tokens by their own scores. The total budget must be 1.0.
 """
 
 from __future__ import annotations
@@ -35,6 +37,25 @@ def total_pages(budget: float, num_layers: int, num_tokens: int, block_size: int
 def split_evenly(total: int, parts: int) -> list[int]:
     base, extra = divmod(total, parts)
     return [base + (i < extra) for i in range(parts)]
+
+
+def cap_and_refill(shares: list[int], cap: int) -> list[int]:
+    """Cap every layer's share at ``cap`` units and hand the excess, one unit at a time, to the
+    layers still under it, largest share first (the total is kept while it fits under the caps).
+    PyramidKV's first layers can be given more than a short prompt has; the reference code clamps
+    them and lifts the others."""
+    out = [min(s, cap) for s in shares]
+    excess = sum(shares) - sum(out)
+    while excess > 0:
+        open_ = sorted((i for i, s in enumerate(out) if s < cap), key=lambda i: -out[i])
+        if not open_:
+            break
+        for i in open_:
+            if excess == 0:
+                break
+            out[i] += 1
+            excess -= 1
+    return out
 
 
 def attention_probs(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor,
@@ -88,12 +109,22 @@ class ScoredPolicy(KVPolicy):
         return split_evenly(units, num_layers)
 
     def layer_quotas(self, seq: Sequence, num_layers: int, budget: float, num_tokens: int) -> list[int]:
-        """Tokens each layer may keep when the sequence has ``num_tokens`` tokens."""
+        """Tokens each layer may keep when the sequence has ``num_tokens`` tokens. No layer is
+        given more than there is to keep (see :func:`cap_and_refill`)."""
         if self.prefill_tokens is None:
             pages = total_pages(budget, num_layers, num_tokens, self.block_size)
-            return [p * self.block_size for p in self.layer_split(num_layers, pages, self.block_size)]
-        generated = max(0, num_tokens - len(seq.prompt_token_ids))
-        return [b + generated for b in self.layer_split(num_layers, self.prefill_tokens * num_layers, 1)]
+            split = self.layer_split(num_layers, pages, self.block_size)
+            split = cap_and_refill(split, math.ceil(num_tokens / self.block_size))
+            return [p * self.block_size for p in split]
+        num_prompt = min(len(seq.prompt_token_ids), num_tokens)
+        split = cap_and_refill(self.layer_split(num_layers, self.prefill_tokens * num_layers, 1), num_prompt)
+        return [b + num_tokens - num_prompt for b in split]
+
+    @property
+    def prompt_only(self) -> bool:
+        """True with ``prefill_tokens``: the engine then holds the request at budget 1.0 (a lower
+        replica budget would only make it release the oldest pages)."""
+        return self.prefill_tokens is not None
 
     def min_tokens_per_layer(self) -> int:
         """Tokens every layer must be able to keep (e.g. attention sinks)."""

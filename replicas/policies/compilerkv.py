@@ -103,12 +103,15 @@ class CompilerKVTables:
         gate: ``[NB, L, E, P]`` float thresholds, about 0.8 .. 1.0.
         entropy_edges: ``[E - 1]`` inner bin edges of the normalized entropy.
         ppl_edges: ``[P - 1]`` inner bin edges of the window perplexity.
+        gate_visits: ``[NB, L, E, P]`` calibration rollouts per gate cell (None in tables built
+            before it was recorded); unvisited cells hold the default threshold 1.0.
     """
     budgets: torch.Tensor
     head_weights: torch.Tensor
     gate: torch.Tensor
     entropy_edges: torch.Tensor
     ppl_edges: torch.Tensor
+    gate_visits: torch.Tensor | None = None
 
     def __post_init__(self):
         nb = len(self.budgets)
@@ -119,6 +122,8 @@ class CompilerKVTables:
         if tuple(self.gate.shape) != want:
             raise ValueError(f"gate must be {list(want)} (budgets, layers, entropy bins, perplexity bins), "
                              f"got {list(self.gate.shape)}")
+        if self.gate_visits is not None and self.gate_visits.shape != self.gate.shape:
+            raise ValueError(f"gate_visits must have the gate's shape {list(want)}, got {list(self.gate_visits.shape)}")
 
     def index(self, budget_tokens: int) -> int:
         """Row of the nearest compiled budget."""
@@ -132,16 +137,24 @@ class CompilerKVTables:
         return self.head_weights[b, layer], float(self.gate[b, layer, e, p])
 
     def mean_threshold(self, budget_tokens: int) -> float:
-        """Mean of the gate over layers and bins at the nearest compiled budget."""
-        return float(self.gate[self.index(budget_tokens)].float().mean())
+        """The gate's mean threshold at the nearest compiled budget, weighted by how often
+        calibration prompts fell in each cell (the plain mean over cells without ``gate_visits``)."""
+        b = self.index(budget_tokens)
+        gate = self.gate[b].double()
+        if self.gate_visits is None or float(self.gate_visits[b].sum()) <= 0:
+            return float(gate.mean())
+        w = self.gate_visits[b].double()
+        return float((gate * w).sum() / w.sum())
 
     def to_tables(self) -> dict[str, torch.Tensor]:
-        return {"budgets": self.budgets, "head_weights": self.head_weights, "gate": self.gate,
-                "entropy_edges": self.entropy_edges, "ppl_edges": self.ppl_edges}
+        t = {"budgets": self.budgets, "head_weights": self.head_weights, "gate": self.gate,
+             "entropy_edges": self.entropy_edges, "ppl_edges": self.ppl_edges}
+        return t if self.gate_visits is None else {**t, "gate_visits": self.gate_visits}
 
     @classmethod
     def from_tables(cls, t: dict[str, torch.Tensor]) -> "CompilerKVTables":
-        return cls(t["budgets"], t["head_weights"], t["gate"], t["entropy_edges"], t["ppl_edges"])
+        return cls(t["budgets"], t["head_weights"], t["gate"], t["entropy_edges"], t["ppl_edges"],
+                   t.get("gate_visits"))
 
 
 @dataclass
@@ -154,8 +167,9 @@ class CompilerKVPolicy(KVPolicy):
         tables: :class:`CompilerKVTables`, an artifact folder, or None (the tables shipped for
             the model, when there are some; else W = 1, T = 1).
         use_head_weights / use_gate: ablation switches (False = W = 1 / T = ``fixed_threshold``).
-        fixed_threshold: the threshold without the gate; None = the mean of the compiled gate at
-            the budget (the same average strictness, without risk adaptation), 1.0 without tables.
+        fixed_threshold: the threshold with ``use_gate=False``; None = the compiled gate's mean at
+            the budget, weighted by calibration visits (the same average strictness, without risk
+            adaptation), 1.0 without tables.
     """
     prefill_tokens: int | None = None
     prefill_fraction: float | None = None
@@ -166,11 +180,13 @@ class CompilerKVPolicy(KVPolicy):
     use_gate: bool = True
     fixed_threshold: float | None = None
     name = "compilerkv"
+    prompt_only = True
     _loaded: bool = field(default=False, repr=False)
 
     def __post_init__(self):
-        if self.prefill_tokens is not None and self.prefill_tokens < 1:
-            raise ValueError(f"prefill_tokens must be positive, got {self.prefill_tokens}")
+        if self.prefill_tokens is not None and (isinstance(self.prefill_tokens, bool)
+                                                or not isinstance(self.prefill_tokens, int) or self.prefill_tokens < 1):
+            raise ValueError(f"prefill_tokens must be a positive int, got {self.prefill_tokens!r}")
         if self.prefill_fraction is not None:
             if self.prefill_tokens is not None:
                 raise ValueError("give prefill_tokens or prefill_fraction, not both")
@@ -178,8 +194,11 @@ class CompilerKVPolicy(KVPolicy):
                 raise ValueError(f"prefill_fraction must be in (0, 1], got {self.prefill_fraction}")
         if self.window < 1:
             raise ValueError(f"window must be positive, got {self.window}")
-        if self.fixed_threshold is not None and not 0.0 < self.fixed_threshold <= 1.0:
-            raise ValueError(f"fixed_threshold must be in (0, 1], got {self.fixed_threshold}")
+        if self.fixed_threshold is not None:
+            if self.use_gate:
+                raise ValueError("fixed_threshold replaces the gate: set use_gate=False with it")
+            if not 0.0 < self.fixed_threshold <= 1.0:
+                raise ValueError(f"fixed_threshold must be in (0, 1], got {self.fixed_threshold}")
         self.observation_window = self.window
         self.wants_window_ppl = True
 
@@ -223,18 +242,25 @@ class CompilerKVPolicy(KVPolicy):
         return positions.cpu(), combine_heads(util, weights), threshold
 
     def on_prefill(self, view: PrefillView) -> list[KVAction]:
-        return self.prefill_actions(view, self.keep_tokens(view.num_prefilled))
+        # A preempted sequence is recomputed with its outputs: B applies to the prompt, outputs stay.
+        num_prompt = min(len(view.seq.prompt_token_ids), view.num_prefilled)
+        generated = view.num_prefilled - num_prompt
+        return self.prefill_actions(view, self.keep_tokens(num_prompt) + generated, keep_from=num_prompt)
 
-    def prefill_actions(self, view: PrefillView, budget_tokens: int) -> list[KVAction]:
+    def prefill_actions(self, view: PrefillView, budget_tokens: int, keep_from: int | None = None) -> list[KVAction]:
         """Release, per layer, every prompt token outside the window and the gated top tokens,
-        keeping at most ``budget_tokens`` per layer."""
+        keeping at most ``budget_tokens`` per layer; positions from ``keep_from`` on (generated
+        tokens of a recomputed sequence) are kept as the window is."""
         n = view.num_prefilled
         if budget_tokens >= n:
             return []
         actions = []
         for layer in range(view.kv.cfg.num_layers):
-            positions, score, threshold = self.layer_scores(view, layer, budget_tokens)
+            prompt_budget = budget_tokens - (n - keep_from if keep_from is not None else 0)
+            positions, score, threshold = self.layer_scores(view, layer, prompt_budget)
             protected = positions >= n - min(self.window, budget_tokens)
+            if keep_from is not None:
+                protected |= positions >= keep_from
             view.seq.policy_state.setdefault("ckv_scores", {})[layer] = dict(
                 zip(positions.tolist(), score.masked_fill(protected, float("inf")).tolist()))
             drop = positions[~select_tokens(score, protected, threshold, budget_tokens)]

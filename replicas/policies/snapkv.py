@@ -57,7 +57,8 @@ class SnapKVPolicy(ScoredPolicy):
         if self.pooling == "avg":  # avg_pool1d counts padding; rescale the edges
             ones = F.avg_pool1d(torch.ones(1, 1, n), self.kernel_size, stride=1, padding=pad)[0, 0]
             smoothed = smoothed / ones
-        window = positions >= n - w
+        # The window, and generated tokens when a preempted sequence is recomputed (as decode ranks them).
+        window = (positions >= n - w) | (positions >= len(view.seq.prompt_token_ids))
         smoothed[window] = PROTECT + positions[window].float()
         return smoothed
 

@@ -166,3 +166,51 @@ def test_shipped_tables_are_the_default(engine):
     p.bind_model(EMBEDDED_MODEL_DIR)
     assert (shipped_table("compilerkv", EMBEDDED_MODEL_DIR) / "manifest.json").is_file()
     assert isinstance(p.tables, CompilerKVTables)
+
+
+def test_gate_mean_weighted_by_calibration_visits():
+    """Found in review: unvisited gate cells hold the default 1.0, so a plain mean over cells made
+    the no-gate ablation all but T = 1; the mean is weighted by how often prompts used each cell."""
+    gate = torch.tensor([[[[0.8], [1.0]]]])
+    t = CompilerKVTables(torch.tensor([8]), torch.ones(1, 1, 2), gate, torch.tensor([0.5]), torch.empty(0),
+                         gate_visits=torch.tensor([[[[9.0], [0.0]]]]))
+    assert t.mean_threshold(8) == pytest.approx(0.8)
+    assert CompilerKVTables.from_tables(t.to_tables()).mean_threshold(8) == pytest.approx(0.8)
+    t.gate_visits = None
+    assert t.mean_threshold(8) == pytest.approx(0.9)   # tables without visits: the plain mean
+    with pytest.raises(ValueError, match="gate_visits must have the gate's shape"):
+        CompilerKVTables(torch.tensor([8]), torch.ones(1, 1, 2), gate, torch.tensor([0.5]), torch.empty(0),
+                         gate_visits=torch.ones(1, 1, 2, 2))
+    with pytest.raises(ValueError, match="set use_gate=False"):
+        CompilerKVPolicy(fixed_threshold=0.9)
+    for bad in (1.5, True, 0):
+        with pytest.raises(ValueError, match="prefill_tokens must be a positive int"):
+            CompilerKVPolicy(prefill_tokens=bad)
+
+
+def test_recomputed_sequence_keeps_its_generated_tokens():
+    view = two_head_view()
+    view.seq.prompt_token_ids, view.seq.output_token_ids = list(range(18)), [0] * 6
+    p = CompilerKVPolicy(prefill_tokens=8, window=4, kernel=1)
+    for a in p.on_prefill(view):
+        view.kv.set_precision("s", a.layer, a.positions, a.precision)
+    kept = sorted(view.kv.kept("s", 0))
+    assert set(range(18, 24)) <= set(kept) and len([k for k in kept if k < 18]) <= 8
+
+
+def test_prompt_only_policies_stay_at_budget_one(engine, chat_prompts):
+    """A replica budget below 1 has nothing to act on for a policy that compresses the prompt to a
+    token count: the request stays at 1.0 instead of losing its oldest pages to the engine's fallback."""
+    from replicas.policies import SnapKVPolicy
+    saved, engine.policy = engine.policy, SnapKVPolicy(prefill_tokens=32)
+    engine.set_replica_budget(0.3)
+    try:
+        assert engine.floor_budget == 1.0
+        engine.add_request("po", chat_prompts[2], SamplingParams(max_tokens=4))
+        seq = engine._seqs["po"]
+        while not seq.is_finished:
+            engine.step()
+        assert seq.kv_budget == 1.0 and seq.metrics.budget_fallbacks == 0
+    finally:
+        engine.set_replica_budget(1.0)
+        engine.policy = saved
