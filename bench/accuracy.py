@@ -179,6 +179,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             ap.error(f"--prefill-tokens applies to {', '.join(PREFILL_POLICIES)}, not {args.policy!r}")
         if args.budget < 1.0:
             ap.error("--prefill-tokens compresses the prompt only: leave --budget at 1.0")
+    if args.backend == "hf" and (args.policy != "full" or args.budget < 1.0 or args.prefill_tokens is not None):
+        ap.error("--backend hf runs full KV only: drop --policy / --budget / --prefill-tokens, or use --backend engine")
     args.category = args.category or list(known)
     return args
 

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from bench import accuracy
-from models import synth
+from models import CheckpointNotFoundError, synth
 
 LENGTHS = (2000, 2500, 3000, 3500)  # the tool lists alone take up to ~2,000 tokens
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -44,23 +44,36 @@ def needle_items(split: str, lengths, depths, per_cell: int) -> list[accuracy.It
     return items
 
 
+def prompt_lengths(model_dir: Path, items: list[accuracy.Item]) -> list[int]:
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return [len(tok.apply_chat_template(i.messages, tools=i.tools, add_generation_prompt=True,
+                                        return_dict=True)["input_ids"]) for i in items]
+
+
 def run(policies, lengths, depths, per_cell, prefill_tokens, split="test", model=None,
         max_tokens=256) -> dict:
+    """The grid of every policy (see the module docstring).
+
+    Raises:
+        ValueError: a prompt plus ``max_tokens`` does not fit the model's context (before any work).
+    """
     items = needle_items(split, lengths, depths, per_cell)
     model_dir = accuracy.resolve_checkpoint(model)
+    sizes = prompt_lengths(model_dir, items)
+    context = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings", 4096)
+    if max(sizes) + max_tokens > context:
+        raise ValueError(f"the longest needle prompt has {max(sizes)} tokens; with --max-tokens {max_tokens} it "
+                         f"does not fit the model's {context}-token context: lower --lengths or --max-tokens")
     out = {"lengths": list(lengths), "depths": list(depths), "per_cell": per_cell,
-           "prefill_tokens": prefill_tokens, "split": split, "policies": {}}
+           "prefill_tokens": prefill_tokens, "split": split, "policies": {},
+           "prompt_tokens": {str(n): sizes[i * len(depths) * per_cell:(i + 1) * len(depths) * per_cell]
+                             for i, n in enumerate(lengths)}}
     for policy in policies:
         args = {} if policy == "full" else {"prefill_tokens": prefill_tokens}
         runner = accuracy.EngineRunner(model_dir, policy, 1.0, True, max_tokens, max_num_seqs=16,
                                        policy_args=args)
-        if "prompt_tokens" not in out:
-            out["prompt_tokens"] = {str(n): [] for n in lengths}
-            for item, length in zip(items, [n for n in lengths for _ in range(len(depths) * per_cell)]):
-                ids = runner.engine.tokenizer.apply_chat_template(item.messages, tools=item.tools,
-                                                                  add_generation_prompt=True, return_dict=True)
-                out["prompt_tokens"][str(length)].append(len(ids["input_ids"]))
-        texts = runner.run_all(items)
+        texts = runner.run_all(items, desc=policy)
         ok = {i.id: accuracy.score(i, t) for i, t in zip(items, texts)}
         grid = [[sum(ok[f"niah_{n}_{d}_{i}"] for i in range(per_cell)) / per_cell for n in lengths]
                 for d in depths]
@@ -125,14 +138,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("docs/results"))
     ap.add_argument("--name", default="niah")
     args = ap.parse_args(argv)
+    args.lengths, args.depths = sorted(set(args.lengths)), sorted(set(args.depths))
     if any(not 0.0 <= d <= 1.0 for d in args.depths):
         ap.error(f"--depths must be in [0, 1]: {args.depths}")
     if any(n < 200 or n > 3800 for n in args.lengths):
         ap.error(f"--lengths must be in [200, 3800] tokens (the model's context is 4,096): {args.lengths}")
     if args.per_cell < 1 or args.prefill_tokens < 1 or args.max_tokens < 1:
         ap.error("--per-cell, --prefill-tokens and --max-tokens must be at least 1")
-    result = run(args.policies, args.lengths, args.depths, args.per_cell, args.prefill_tokens, args.split,
-                 args.model, args.max_tokens)
+    try:
+        result = run(args.policies, args.lengths, args.depths, args.per_cell, args.prefill_tokens, args.split,
+                     args.model, args.max_tokens)
+    except (ValueError, CheckpointNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     write(result, args.out, args.name)
     print(f"wrote {args.out / (args.name + '.md')}, {args.name}.json, {args.name}.png")
     return 0

@@ -23,7 +23,6 @@ import sys
 from pathlib import Path
 
 from bench import accuracy
-from replicas.errors import InvalidRequestError
 from replicas.policies import POLICIES
 
 BUDGETS = (1.0, 0.5, 0.33, 0.25, 0.15)
@@ -38,9 +37,10 @@ def resolve(name: str) -> tuple[str, dict]:
 
 
 def run(policies, budgets, split, categories, limit, model=None, grammar=True, pask_table=None,
-        prefill_tokens=None, max_tokens=256) -> list[dict]:
+        prefill_tokens=None, max_tokens=256, on_row=None) -> list[dict]:
     """One row per (policy, budget); with ``prefill_tokens`` (a list), per (policy, prompt tokens
-    kept per layer) at total budget 1.0. Full KV gives one row."""
+    kept per layer) at total budget 1.0. Full KV gives one row. ``on_row(rows)`` is called after
+    each row (the CLI writes the files then, so a stopped sweep keeps what it measured)."""
     if prefill_tokens:
         cannot = [p for p in policies if p != "full" and resolve(p)[0] not in accuracy.PREFILL_POLICIES]
         if cannot:
@@ -63,7 +63,7 @@ def run(policies, budgets, split, categories, limit, model=None, grammar=True, p
                 runner = accuracy.EngineRunner(accuracy.resolve_checkpoint(model), policy, budget, grammar,
                                                max_tokens, max_num_seqs=len(items), policy_args=args)
                 summary = accuracy.report(accuracy.evaluate(runner, items, True, label), name, budget, split)
-            except InvalidRequestError as e:  # a policy that refuses a budget is a skipped row
+            except ValueError as e:  # a policy that refuses a budget (InvalidRequestError too) is a skipped row
                 print(f"{label:<40} skipped: {type(e).__name__}: {e}", flush=True)
                 continue
             if prefill_tokens:
@@ -74,6 +74,8 @@ def run(policies, budgets, split, categories, limit, model=None, grammar=True, p
             print(f"{label:<40} overall {100 * summary['overall']:.1f}%  "
                   f"ratio mean {summary['kv_ratio_mean']:.3f} max {summary['kv_ratio_max']:.3f}", flush=True)
             rows.append(summary)
+            if on_row:
+                on_row(rows)
     return rows
 
 
@@ -117,7 +119,8 @@ def write(rows: list[dict], out: Path, categories: list[str], name: str = "sweep
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.sweep", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(CHOICES))
+    ap.add_argument("--policies", nargs="+", choices=list(CHOICES),
+                    help="default: every policy (with --prefill-tokens: full and the prompt-scoring ones)")
     ap.add_argument("--budgets", nargs="+", type=float, default=list(BUDGETS))
     ap.add_argument("--split", default="test", choices=("dev", "test"))
     ap.add_argument("--category", nargs="+", default=list(accuracy.synth.CATEGORIES))
@@ -135,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [b for b in args.budgets if not 0.0 < b <= 1.0]
     if bad:
         ap.error(f"budgets must be in (0, 1]: {bad}")
+    if args.policies is None:
+        args.policies = ["full", *accuracy.PREFILL_POLICIES] if args.prefill_tokens else list(POLICIES)
     if args.max_tokens < 1:
         ap.error("--max-tokens must be at least 1")
     if args.prefill_tokens:
@@ -147,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown categories {unknown}; choose from {', '.join(accuracy.synth.CATEGORIES)}")
     rows = run(args.policies, args.budgets, args.split, args.category, args.limit, args.model,
-               not args.no_grammar, args.pask_table, args.prefill_tokens, args.max_tokens)
+               not args.no_grammar, args.pask_table, args.prefill_tokens, args.max_tokens,
+               on_row=lambda rows: write(rows, args.out, args.category, args.name))
     write(rows, args.out, args.category, args.name)
     print(f"wrote {args.out / (args.name + '.md')}, {args.name}.json, {args.name}.png")
     return 0

@@ -41,7 +41,8 @@ def test_corrupted_data_line(tmp_path, monkeypatch, capsys):
 def test_prefill_tokens_bad_combinations(capsys):
     for argv, msg in ((["--policy", "pask", "--prefill-tokens", "256"], "applies to"),
                       (["--policy", "snapkv", "--prefill-tokens", "0"], "at least 1"),
-                      (["--policy", "snapkv", "--prefill-tokens", "256", "--budget", "0.5"], "leave --budget at 1.0")):
+                      (["--policy", "snapkv", "--prefill-tokens", "256", "--budget", "0.5"], "leave --budget at 1.0"),
+                      (["--backend", "hf", "--policy", "snapkv", "--budget", "0.5"], "runs full KV only")):
         with pytest.raises(SystemExit) as e:
             accuracy.main(argv)
         assert e.value.code == 2 and msg in capsys.readouterr().err
@@ -65,3 +66,11 @@ def test_prefill_sweep_on_long_context(tmp_path, capsys):
     with pytest.raises(SystemExit):
         sweep.main(["--prefill-tokens", "256", "--policies", "pask"])
     assert "applies to" in capsys.readouterr().err
+
+
+def test_sweep_skips_a_policy_that_refuses_the_budget(capsys):
+    """Found in review: compilerkv refuses a total budget below 1 when the engine is built (a plain
+    ValueError), which ended the whole default sweep and lost its rows."""
+    from bench import sweep
+    assert sweep.run(["compilerkv"], [0.5], "test", ["simple"], 1) == []
+    assert "compilerkv budget 0.5" in capsys.readouterr().out

@@ -36,3 +36,8 @@ def test_bad_settings(argv):
     with pytest.raises(SystemExit) as e:
         niah.main(argv)
     assert e.value.code == 2
+
+
+def test_prompts_that_do_not_fit_are_refused_before_work(capsys):
+    assert niah.main(["--lengths", "3800", "--depths", "0", "--per-cell", "1", "--max-tokens", "600"]) == 2
+    assert "does not fit the model's 4096-token context" in capsys.readouterr().err
