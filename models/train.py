@@ -67,14 +67,22 @@ def encode(tokenizer, ex: synth.Example) -> tuple[list[int], list[int]]:
     return p_ids + a_ids, [-100] * len(p_ids) + a_ids
 
 
+def mix_at(step: int, args) -> dict[str, float]:
+    """Sampling weight of each category at ``step``: ``SHORT_MIX``, long_context from
+    ``args.long_start``, and the ``--mix`` overrides from ``args.mix_from``."""
+    mix = dict(SHORT_MIX)
+    if step >= args.long_start:
+        mix["long_context"] = args.long_weight
+    if step >= args.mix_from:
+        mix.update(args.mix)
+    return mix
+
+
 def batches_for_step(tokenizer, gen: synth.Generator, step: int, args) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The micro-batches of one optimizer step: ``args.batch_size`` examples, grouped by length so
     that each micro-batch holds at most ``args.max_batch_tokens`` padded tokens."""
     rng = random.Random(f"{args.seed}/step/{step}")
-    mix = dict(SHORT_MIX)
-    if step >= args.long_start:
-        mix["long_context"] = args.long_weight
-    cats, weights = zip(*mix.items())
+    cats, weights = zip(*mix_at(step, args).items())
     encoded = []
     for i in range(args.batch_size):
         ex = gen.example(rng.choices(cats, weights)[0], step * args.batch_size + i)
@@ -154,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long-start", type=int, default=3000, help="step at which long_context joins")
     ap.add_argument("--long-weight", type=float, default=1.5)
     ap.add_argument("--rename-prob", type=float, default=0.5)
+    ap.add_argument("--mix", action="append", default=[], metavar="CATEGORY=WEIGHT",
+                    help="override a category's sampling weight (repeatable), from step --mix-from on")
+    ap.add_argument("--mix-from", type=int, default=0, help="first step of the --mix weights")
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--save-every", type=int, default=50)
     ap.add_argument("--eval-examples", type=int, default=6, help="dev examples per category")
@@ -165,6 +176,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro", action="store_true", help="tiny config for smoke tests")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
+    mix = {}
+    for item in args.mix:
+        cat, _, weight = item.partition("=")
+        if cat not in synth.CATEGORIES:
+            ap.error(f"--mix {item!r}: unknown category {cat!r}; choose from {', '.join(synth.CATEGORIES)}")
+        try:
+            mix[cat] = float(weight)
+        except ValueError:
+            ap.error(f"--mix {item!r}: the weight must be a number")
+        if mix[cat] < 0:
+            ap.error(f"--mix {item!r}: the weight must be >= 0")
+    args.mix = mix
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

@@ -35,3 +35,18 @@ def test_micro_training_exports_and_resumes(tmp_path):
     assert train.main(args + ["--steps", "24", "--init-from", str(out)]) == 0
     steps = [json.loads(line)["step"] for line in (fresh / "log.jsonl").read_text().splitlines()]
     assert steps == [23, 24]
+
+
+def test_mix_overrides_from_a_step(capsys):
+    from types import SimpleNamespace
+
+    from models import train
+    args = SimpleNamespace(long_start=3000, long_weight=1.5, mix={"irrelevance": 3.0}, mix_from=5250)
+    assert train.mix_at(100, args) == train.SHORT_MIX
+    assert train.mix_at(4000, args) == {**train.SHORT_MIX, "long_context": 1.5}
+    assert train.mix_at(5250, args) == {**train.SHORT_MIX, "long_context": 1.5, "irrelevance": 3.0}
+    for bad, msg in (("nonsense=2", "unknown category"), ("irrelevance=x", "must be a number"),
+                     ("irrelevance=-1", ">= 0")):
+        with pytest.raises(SystemExit):
+            train.main(["--out", "/tmp/unused", "--mix", bad])
+        assert msg in capsys.readouterr().err
