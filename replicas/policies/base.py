@@ -40,22 +40,27 @@ def split_evenly(total: int, parts: int) -> list[int]:
 
 
 def cap_and_refill(shares: list[int], cap: int) -> list[int]:
-    """Cap every layer's share at ``cap`` units and hand the excess, one unit at a time, to the
-    layers still under it, largest share first (the total is kept while it fits under the caps).
-    PyramidKV's first layers can be given more than a short prompt has; the reference code clamps
-    them and lifts the others."""
+    """Cap every layer's share at ``cap`` units and spread the excess evenly over the layers still
+    under it (the remainder to the largest first), so the total is kept while it fits under the
+    caps. PyramidKV's first layers can be given more than a short prompt has."""
     out = [min(s, cap) for s in shares]
     excess = sum(shares) - sum(out)
-    while excess > 0:
-        open_ = sorted((i for i, s in enumerate(out) if s < cap), key=lambda i: -out[i])
-        if not open_:
+    while excess > 0:   # each round fills a layer or hands out all the excess: at most L rounds
+        under = sorted((i for i, s in enumerate(out) if s < cap), key=lambda i: -out[i])
+        if not under:
             break
-        for i in open_:
-            if excess == 0:
-                break
-            out[i] += 1
-            excess -= 1
+        each, extra = divmod(excess, len(under))
+        for rank, i in enumerate(under):
+            give = min(cap - out[i], each + (rank < extra))
+            out[i] += give
+            excess -= give
     return out
+
+
+def check_prefill_tokens(value) -> None:
+    """Raises ValueError unless ``value`` is None or a positive int (a prefill budget in tokens)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"prefill_tokens must be a positive int, got {value!r}")
 
 
 def attention_probs(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor,
@@ -99,10 +104,7 @@ class ScoredPolicy(KVPolicy):
     block_size = 16
 
     def __post_init__(self):
-        if self.prefill_tokens is not None and (isinstance(self.prefill_tokens, bool)
-                                                or not isinstance(self.prefill_tokens, int)
-                                                or self.prefill_tokens < 1):
-            raise ValueError(f"prefill_tokens must be a positive int, got {self.prefill_tokens!r}")
+        check_prefill_tokens(self.prefill_tokens)
 
     def layer_split(self, num_layers: int, units: int, unit_tokens: int) -> list[int]:
         """Split ``units`` (of ``unit_tokens`` tokens each: pages, or single tokens) over layers."""

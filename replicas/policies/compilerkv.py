@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from replicas.kv_cache import KVCache, Precision
+from replicas.policies.base import check_prefill_tokens
 from replicas.policy import KVAction, KVPolicy, PrefillView
 
 
@@ -184,9 +185,7 @@ class CompilerKVPolicy(KVPolicy):
     _loaded: bool = field(default=False, repr=False)
 
     def __post_init__(self):
-        if self.prefill_tokens is not None and (isinstance(self.prefill_tokens, bool)
-                                                or not isinstance(self.prefill_tokens, int) or self.prefill_tokens < 1):
-            raise ValueError(f"prefill_tokens must be a positive int, got {self.prefill_tokens!r}")
+        check_prefill_tokens(self.prefill_tokens)
         if self.prefill_fraction is not None:
             if self.prefill_tokens is not None:
                 raise ValueError("give prefill_tokens or prefill_fraction, not both")
@@ -254,9 +253,9 @@ class CompilerKVPolicy(KVPolicy):
         n = view.num_prefilled
         if budget_tokens >= n:
             return []
+        prompt_budget = budget_tokens - (n - keep_from if keep_from is not None else 0)  # picks the table row
         actions = []
         for layer in range(view.kv.cfg.num_layers):
-            prompt_budget = budget_tokens - (n - keep_from if keep_from is not None else 0)
             positions, score, threshold = self.layer_scores(view, layer, prompt_budget)
             protected = positions >= n - min(self.window, budget_tokens)
             if keep_from is not None:
