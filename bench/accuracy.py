@@ -112,6 +112,12 @@ class EngineRunner:
                         bar.update(1)
         return [texts[i.id] for i in items]
 
+    def kv_ratio_summary(self) -> dict[str, float]:
+        """Achieved KV budget ratio over the requests run so far: ``kv_ratio_mean`` (of the
+        per-request means) and ``kv_ratio_max``."""
+        return {"kv_ratio_mean": sum(r[0] for r in self.kv_ratios) / len(self.kv_ratios),
+                "kv_ratio_max": max(r[1] for r in self.kv_ratios)}
+
 
 def score(item: Item, text: str) -> bool:
     try:
@@ -206,10 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = report(evaluate(runner, items), args.policy, args.budget, args.split)
     if args.prefill_tokens is not None:
         summary["prefill_tokens"] = args.prefill_tokens
-    ratios = getattr(runner, "kv_ratios", None)
-    if ratios:
-        summary["kv_ratio_mean"] = sum(r[0] for r in ratios) / len(ratios)
-        summary["kv_ratio_max"] = max(r[1] for r in ratios)
+    if getattr(runner, "kv_ratios", None):
+        summary.update(runner.kv_ratio_summary())
     print(format_table(summary))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

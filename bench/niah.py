@@ -77,10 +77,8 @@ def run(policies, lengths, depths, per_cell, prefill_tokens, split="test", model
         ok = {i.id: accuracy.score(i, t) for i, t in zip(items, texts)}
         grid = [[sum(ok[f"niah_{n}_{d}_{i}"] for i in range(per_cell)) / per_cell for n in lengths]
                 for d in depths]
-        ratios = runner.kv_ratios
         out["policies"][policy] = {"grid": grid, "overall": sum(map(sum, grid)) / (len(depths) * len(lengths)),
-                                   "kv_ratio_mean": sum(r[0] for r in ratios) / len(ratios),
-                                   "kv_ratio_max": max(r[1] for r in ratios)}
+                                   **runner.kv_ratio_summary()}
         print(f"{policy:<16} overall {100 * out['policies'][policy]['overall']:.1f}%  "
               f"kv ratio mean {out['policies'][policy]['kv_ratio_mean']:.3f}", flush=True)
     return out

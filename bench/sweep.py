@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from bench import accuracy
+from replicas.errors import InvalidRequestError
 from replicas.policies import POLICIES
 
 BUDGETS = (1.0, 0.5, 0.33, 0.25, 0.15)
@@ -36,15 +37,19 @@ def resolve(name: str) -> tuple[str, dict]:
     return VARIANTS[name] if name in VARIANTS else (name, {})
 
 
+def without_prefill_tokens(policies: list[str]) -> list[str]:
+    """The policies (or variants) that cannot take a prefill-token budget (full KV needs none)."""
+    return [p for p in policies if p != "full" and resolve(p)[0] not in accuracy.PREFILL_POLICIES]
+
+
 def run(policies, budgets, split, categories, limit, model=None, grammar=True, pask_table=None,
         prefill_tokens=None, max_tokens=256, on_row=None) -> list[dict]:
     """One row per (policy, budget); with ``prefill_tokens`` (a list), per (policy, prompt tokens
     kept per layer) at total budget 1.0. Full KV gives one row. ``on_row(rows)`` is called after
     each row (the CLI writes the files then, so a stopped sweep keeps what it measured)."""
-    if prefill_tokens:
-        cannot = [p for p in policies if p != "full" and resolve(p)[0] not in accuracy.PREFILL_POLICIES]
-        if cannot:
-            raise ValueError(f"--prefill-tokens applies to {', '.join(accuracy.PREFILL_POLICIES)}; not to {cannot}")
+    if prefill_tokens and without_prefill_tokens(policies):
+        raise ValueError(f"--prefill-tokens applies to {', '.join(accuracy.PREFILL_POLICIES)}; "
+                         f"not to {without_prefill_tokens(policies)}")
     rows = []
     items = accuracy.load_items(split, categories)
     if limit:
@@ -59,18 +64,22 @@ def run(policies, budgets, split, categories, limit, model=None, grammar=True, p
             if prefill_tokens and point is not None:
                 args["prefill_tokens"] = point
             label = f"{name} {'prefill tokens' if prefill_tokens else 'budget'} {point or 1.0}"
+            # A policy that refuses the budget is a skipped row: the engine refuses it when built
+            # (ValueError), or per request (InvalidRequestError); any other failure is a bug and raises.
             try:
                 runner = accuracy.EngineRunner(accuracy.resolve_checkpoint(model), policy, budget, grammar,
                                                max_tokens, max_num_seqs=len(items), policy_args=args)
+            except ValueError as e:
+                print(f"{label:<40} skipped: {type(e).__name__}: {e}", flush=True)
+                continue
+            try:
                 summary = accuracy.report(accuracy.evaluate(runner, items, True, label), name, budget, split)
-            except ValueError as e:  # a policy that refuses a budget (InvalidRequestError too) is a skipped row
+            except InvalidRequestError as e:
                 print(f"{label:<40} skipped: {type(e).__name__}: {e}", flush=True)
                 continue
             if prefill_tokens:
                 summary["prefill_tokens"] = point
-            ratios = runner.kv_ratios
-            summary["kv_ratio_mean"] = sum(r[0] for r in ratios) / len(ratios)
-            summary["kv_ratio_max"] = max(r[1] for r in ratios)
+            summary.update(runner.kv_ratio_summary())
             print(f"{label:<40} overall {100 * summary['overall']:.1f}%  "
                   f"ratio mean {summary['kv_ratio_mean']:.3f} max {summary['kv_ratio_max']:.3f}", flush=True)
             rows.append(summary)
@@ -145,9 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefill_tokens:
         if min(args.prefill_tokens) < 1:
             ap.error(f"--prefill-tokens must be positive: {args.prefill_tokens}")
-        cannot = [p for p in args.policies if p != "full" and resolve(p)[0] not in accuracy.PREFILL_POLICIES]
-        if cannot:
-            ap.error(f"--prefill-tokens applies to {', '.join(accuracy.PREFILL_POLICIES)}, not to {cannot}")
+        if without_prefill_tokens(args.policies):
+            ap.error(f"--prefill-tokens applies to {', '.join(accuracy.PREFILL_POLICIES)}, "
+                     f"not to {without_prefill_tokens(args.policies)}")
     unknown = [c for c in args.category if c not in accuracy.synth.CATEGORIES]
     if unknown:
         ap.error(f"unknown categories {unknown}; choose from {', '.join(accuracy.synth.CATEGORIES)}")
