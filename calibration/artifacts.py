@@ -88,6 +88,20 @@ class TableArtifact:
         return folder
 
 
+def build_command(kind: str, cfg, model_dir, out, fields: tuple[str, ...], list_sep: dict[str, str] | None = None) -> str:
+    """The CLI command that rebuilds a table: ``python -m calibration KIND --model M --out O`` plus one flag
+    per field of the config dataclass ``cfg`` (among ``fields``, its CLI settings) that differs from the
+    dataclass default. Tuples are joined with ``list_sep[field]`` (default a space)."""
+    default = type(cfg)(cfg.model)
+    flags = []
+    for name in fields:
+        value = getattr(cfg, name)
+        if value != getattr(default, name):
+            shown = (list_sep or {}).get(name, " ").join(map(str, value)) if isinstance(value, (tuple, list)) else value
+            flags.append(f" --{name.replace('_', '-')} {shown}")
+    return f"python -m calibration {kind} --model {model_dir} --out {out}" + "".join(flags)
+
+
 def load_artifact(folder: str | Path, kind: str, model_dir: str | Path | None = None) -> TableArtifact:
     """Load and validate an artifact.
 

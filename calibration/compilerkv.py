@@ -181,7 +181,7 @@ class Bandit:
 
 def compile_tables(cfg: CompilerKVCalibrationConfig, out: Path, executor, progress: bool = True, log=None):
     """Run the bandits; return the ``compilerkv`` TableArtifact (see the module docstring)."""
-    from calibration.artifacts import TableArtifact, model_fingerprint
+    from calibration.artifacts import TableArtifact, build_command, model_fingerprint
     from calibration.executors import open_run, run_probes
     from models import resolve_checkpoint
     from replicas.models.llama import ModelConfig
@@ -242,9 +242,12 @@ def compile_tables(cfg: CompilerKVCalibrationConfig, out: Path, executor, progre
                      "continuation_tokens": cfg.continuation_tokens},
             "settings": {k: v for k, v in asdict(cfg).items() if k != "model"},
             "visited_weight_contexts": len(wb.count), "visited_gate_contexts": len(gb.count),
-            "build_command": f"python -m calibration compilerkv --model {model_dir} --out {out}",
+            "build_command": build_command("compilerkv", cfg, model_dir, out, CLI_SETTINGS),
             "wall_s": round(time.monotonic() - t0, 1)}
     return TableArtifact("compilerkv", tables, model_fingerprint(model_dir), meta)
+
+
+CLI_SETTINGS = ("budgets", "long_prompts", "short_prompts", "rounds", "round_size", "seed")
 
 
 def main(argv: list[str] | None = None) -> int:

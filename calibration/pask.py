@@ -45,6 +45,8 @@ from replicas.tagger import BUCKETS, NUM_BUCKETS
 LEVELS = (Precision.RELEASED, Precision.INT4, Precision.INT8, Precision.HIGH)
 SIDES = {"decode": NUM_BUCKETS, "prompt": NUM_PROMPT_BUCKETS}
 DEFAULT_CATEGORIES = ("simple", "multiple", "parallel", "parallel_multiple", "irrelevance")
+CLI_SETTINGS = ("num_groups", "per_category", "categories", "floor_tolerance", "alpha_decode", "alpha_prompt",
+                "distortion_examples", "max_new_tokens", "seed")
 
 
 @dataclass(frozen=True)
@@ -372,7 +374,7 @@ class Calibrator:
     # -------------------------------------------------------------- the whole run
     def run(self):
         """Run every step; return the "pask" ``TableArtifact`` (not yet saved)."""
-        from calibration.artifacts import TableArtifact, model_fingerprint
+        from calibration.artifacts import TableArtifact, build_command, model_fingerprint
         cfg, t0 = self.cfg, time.monotonic()
         full = self._run([self._generate_task(with_outputs=True)], "full KV")[0]
         a_full = self._accuracy(full)
@@ -426,7 +428,8 @@ class Calibrator:
                 "settings": {k: v for k, v in asdict(cfg).items() if k != "model"},
                 "full_kv_accuracy": a_full, "sides": meta_sides,
                 "selected": {"accuracy": self._accuracy(combined), "kv_ratio": combined["kv_ratio"]},
-                "build_command": f"python -m calibration pask --model {self.model_dir} --out {self.out}",
+                "build_command": build_command("pask", cfg, self.model_dir, self.out, CLI_SETTINGS,
+                                               {"categories": ","}),
                 "wall_s": round(time.monotonic() - t0, 1)}
         return TableArtifact("pask", tables, model_fingerprint(self.model_dir), meta)
 

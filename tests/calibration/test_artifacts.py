@@ -49,3 +49,16 @@ def test_other_model_or_kind_refused(tmp_path, artifact):
         load_artifact(folder, "compilerkv")
     with pytest.raises(ArtifactError, match="python -m calibration pask"):
         load_artifact(tmp_path / "missing", "pask")
+
+
+def test_build_command_names_every_non_default_cli_setting():
+    from calibration.artifacts import build_command
+    from calibration.compilerkv import CLI_SETTINGS as CKV, CompilerKVCalibrationConfig
+    from calibration.pask import CLI_SETTINGS as PASK, PASKCalibrationConfig
+    base = "python -m calibration compilerkv --model M --out O"
+    assert build_command("compilerkv", CompilerKVCalibrationConfig("m"), "M", "O", CKV) == base
+    cfg = CompilerKVCalibrationConfig("m", budgets=(512,), long_prompts=24, rounds=24)
+    assert build_command("compilerkv", cfg, "M", "O", CKV) == base + " --budgets 512 --long-prompts 24 --rounds 24"
+    cfg = PASKCalibrationConfig("m", per_category=4, categories=("simple", "multiple"), alpha_decode=0.1)
+    assert build_command("pask", cfg, "M", "O", PASK, {"categories": ","}) == (
+        "python -m calibration pask --model M --out O --per-category 4 --categories simple,multiple --alpha-decode 0.1")
