@@ -2,8 +2,8 @@
 
 The serving default. After prefill, CompilerKV keeps each layer's ``floor(budget x prompt)``
 best prompt tokens (page-aligned, so the prompt alone meets the budget); PASK's decode table then
-stores each generated token per layer group, and its budget state demotes decode cells when the
-sequence would exceed the budget.
+stores each generated token per layer group. When the sequence would exceed the budget, decode
+cells are demoted and prompt pages released together (``hold_budget``).
 """
 
 from __future__ import annotations
@@ -72,24 +72,33 @@ class CompilerKVPASKPolicy(KVPolicy):
         return self.decode.on_decode(view)
 
     def hold_budget(self, seq, kv: KVCache, budget: float) -> None:
-        """PASK demotes decode cells above their floors first; if the sequence is still over
-        budget (page rounding as generated tokens open new pages), the prompt gives back its
-        lowest-scoring CompilerKV tokens (outside the window), one page at a time from the layer
-        holding the most."""
-        self.decode.hold_budget(seq, kv, budget)
-        if budget >= 1.0:
+        """Until the sequence holds at most ``budget`` x full-KV bytes: while PASK's decode state has a
+        higher expected KV fraction than the share of the prompt CompilerKV still keeps, PASK demotes
+        a decode cell; otherwise the prompt gives back its lowest-scoring CompilerKV tokens (outside
+        the window), one page from the layer holding the most. Both sides descend together: the
+        prompt is sized to the budget at prefill, so demoting only the decode side (as before) sent
+        every generated token to its floor within a few steps."""
+        if budget >= 1.0 or "pask_k" not in seq.policy_state:
             return
         from replicas.kv_cache import Precision
         allowed = budget * kv.full_kv_bytes(seq.num_tokens)
         scores = seq.policy_state.get("ckv_scores", {})
+        prompt_len = len(seq.prompt_token_ids)
         while kv.sequence_bytes(seq.request_id) > allowed + 1e-6:
+            kept_prompt = sum(sum(1 for p in kv.kept(seq.request_id, layer) if p < prompt_len)
+                              for layer in range(kv.cfg.num_layers))
+            prompt_share = kept_prompt / max(1, prompt_len * kv.cfg.num_layers)
+            if self.decode.decode_fraction(seq) >= prompt_share and self.decode.demote_once(seq, kv, "decode"):
+                continue
             best = None
             for layer, sc in scores.items():
                 kept = [p for p in kv.kept(seq.request_id, layer) if sc.get(p, float("inf")) != float("inf")]
                 if kept and (best is None or len(kept) > len(best[1])):
                     best = (layer, kept)
             if best is None:
-                return
+                if not self.decode.demote_once(seq, kv, "decode"):
+                    return
+                continue
             layer, kept = best
             drop = sorted(kept, key=lambda p: scores[layer][p])[: kv.cfg.block_size]
             kv.set_precision(seq.request_id, layer, drop, Precision.RELEASED)

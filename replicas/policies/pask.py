@@ -270,35 +270,55 @@ class PASKPolicy(KVPolicy):
         return self._actions(table, table.decode.actions_at(state["pask_k"][1]), {view.position: bucket})
 
     def hold_budget(self, seq, kv: KVCache, budget: float) -> None:
-        """Demote above-floor cells, last upgrade first (decode side, then prompt side), until the
-        sequence holds at most ``budget`` x full-KV bytes or both sides are at their floors. The
-        engine calls it after applying each step's actions."""
+        """Demote above-floor cells, last upgrade first, until the sequence holds at most ``budget`` x
+        full-KV bytes or both sides are at their floors. The engine calls it after applying each
+        step's actions.
+
+        The two families descend together: each demotion goes to the side whose current state has
+        the higher expected KV fraction (``upgrade_costs``), so neither side is drained to its
+        floors to pay for the other. (Draining the decode side first sent every generated token to
+        its floor as soon as a long prompt overran the budget at prefill, where the decode side
+        holds nothing to free: test accuracy fell from 62 % to 39 % at budget 0.5.)"""
         state = seq.policy_state
         if "pask_k" not in state or budget >= 1.0:
             return
         allowed = budget * kv.full_kv_bytes(seq.num_tokens)
-        prompt_len = len(seq.prompt_token_ids)
-        table = state["pask_table"]
         while kv.sequence_bytes(seq.request_id) > allowed + 1e-6:
             kp, kd = state["pask_k"]
-            if kd > 0:
-                side, k, positions = table.decode, kd - 1, {p: b for p, b in state["tags"].items() if p >= prompt_len}
-                state["pask_k"][1] = k
-            elif kp > 0:
-                side, k = table.prompt, kp - 1
-                positions = dict(enumerate(state.get("prompt_labels") or []))
-                state["pask_k"][0] = k
-            else:
-                break
-            bucket, group = side.upgrades[k].tolist()
-            level = Precision(int(side.actions_at(k)[bucket, group]))
-            start, end = table.layer_groups[group]
-            cell = tuple(p for p, b in positions.items() if b == bucket)
-            for layer in range(start, end):
-                kept = kv.kept(seq.request_id, layer)
-                demote = tuple(p for p in cell if p in kept and kept[p] > level)
-                if demote:
-                    kv.set_precision(seq.request_id, layer, demote, level)
+            prompt_level = float(state["pask_table"].prompt.upgrade_costs[kp]) if self.prompt_side else 0.0
+            if not self.demote_once(seq, kv, "decode" if self.decode_fraction(seq) >= prompt_level else "prompt"):
+                if not self.demote_once(seq, kv, "prompt") and not self.demote_once(seq, kv, "decode"):
+                    break
+
+    def decode_fraction(self, seq) -> float:
+        """Expected KV fraction of the decode side's current state (calibration mix); -1 at its floors."""
+        state = seq.policy_state
+        kd = state["pask_k"][1]
+        return float(state["pask_table"].decode.upgrade_costs[kd]) if kd > 0 else -1.0
+
+    def demote_once(self, seq, kv: KVCache, side_name: str) -> bool:
+        """Undo the last upgrade of one side (``"decode"`` or ``"prompt"``) on the sequence's existing
+        entries and for its later tokens. Returns False when that side is at its floors."""
+        state = seq.policy_state
+        table, prompt_len = state["pask_table"], len(seq.prompt_token_ids)
+        index = 1 if side_name == "decode" else 0
+        if state["pask_k"][index] == 0 or (index == 0 and not self.prompt_side):
+            return False
+        k = state["pask_k"][index] = state["pask_k"][index] - 1
+        if index == 1:
+            side, positions = table.decode, {p: b for p, b in state["tags"].items() if p >= prompt_len}
+        else:
+            side, positions = table.prompt, dict(enumerate(state.get("prompt_labels") or []))
+        bucket, group = side.upgrades[k].tolist()
+        level = Precision(int(side.actions_at(k)[bucket, group]))
+        start, end = table.layer_groups[group]
+        cell = tuple(p for p, b in positions.items() if b == bucket)
+        for layer in range(start, end):
+            kept = kv.kept(seq.request_id, layer)
+            demote = tuple(p for p in cell if p in kept and kept[p] > level)
+            if demote:
+                kv.set_precision(seq.request_id, layer, demote, level)
+        return True
 
     @staticmethod
     def _actions(table: PASKTable, actions: torch.Tensor, buckets: dict[int, int]) -> list[KVAction]:

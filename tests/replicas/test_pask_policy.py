@@ -213,3 +213,23 @@ def test_replica_budget_is_never_applied_below_a_prompts_floors(chat_prompts):
     assert seq.kv_budget == 0.9
     with pytest.raises(ValueError, match="replica budget"):
         eng.set_replica_budget(0.0)
+
+
+@pytest.mark.parametrize("name", ["pask", "compilerkv+pask"])
+def test_decode_side_is_not_drained_when_the_prompt_fills_the_budget(chat_prompts, name):
+    """At budget 0.5 the prompt side is sized to the whole budget at prefill; the budget state must
+    then demote both sides together, not send every generated token to its floor (decode state 0),
+    which is what draining the decode side first did (shipped table: state [56, 92] -> [53, 0])."""
+    from replicas.config import EngineConfig
+    from replicas.engine import LLMEngine
+    eng = LLMEngine(EngineConfig(kv_policy=name, kv_budget=0.5, kv_cache_bytes=64 << 20))
+    spec = GrammarSpec("tools", {"tools": TOOLS, "tool_choice": "required"})
+    for i, prompt in enumerate(chat_prompts[:2]):
+        eng.add_request(f"drain-{i}", prompt, SamplingParams(max_tokens=24), spec)
+        seq = eng._seqs[f"drain-{i}"]
+        start = None
+        while not seq.is_finished:
+            eng.step()
+            start = start or list(seq.policy_state["pask_k"])
+        assert start[1] > 0 and seq.policy_state["pask_k"][1] > 0, (start, seq.policy_state["pask_k"])
+        assert seq.metrics.kv_ratio_max <= 0.5 + 1e-6
