@@ -76,8 +76,8 @@ class CompilerKVPASKPolicy(KVPolicy):
         higher expected KV fraction than the share of the prompt CompilerKV still keeps, PASK demotes
         a decode cell; otherwise the prompt gives back its lowest-scoring CompilerKV tokens (outside
         the window), one page from the layer holding the most. Both sides descend together: the
-        prompt is sized to the budget at prefill, so demoting only the decode side (as before) sent
-        every generated token to its floor within a few steps."""
+        prompt is sized to the budget at prefill, so demoting only the decode side (as before)
+        drained the decode state to its floors within a 24-token answer (regression test)."""
         if budget >= 1.0 or "pask_k" not in seq.policy_state:
             return
         from replicas.kv_cache import Precision
@@ -85,16 +85,19 @@ class CompilerKVPASKPolicy(KVPolicy):
         scores = seq.policy_state.get("ckv_scores", {})
         prompt_len = len(seq.prompt_token_ids)
         while kv.sequence_bytes(seq.request_id) > allowed + 1e-6:
-            kept_prompt = sum(sum(1 for p in kv.kept(seq.request_id, layer) if p < prompt_len)
-                              for layer in range(kv.cfg.num_layers))
+            # One pass over the layers: the prompt's kept share, and the layer with most droppable tokens.
+            kept_prompt, best = 0, None
+            for layer in range(kv.cfg.num_layers):
+                kept = kv.kept(seq.request_id, layer)
+                kept_prompt += sum(1 for p in kept if p < prompt_len)
+                sc = scores.get(layer)
+                if sc is not None:
+                    droppable = [p for p in kept if sc.get(p, float("inf")) != float("inf")]
+                    if droppable and (best is None or len(droppable) > len(best[1])):
+                        best = (layer, droppable)
             prompt_share = kept_prompt / max(1, prompt_len * kv.cfg.num_layers)
             if self.decode.decode_fraction(seq) >= prompt_share and self.decode.demote_once(seq, kv, "decode"):
                 continue
-            best = None
-            for layer, sc in scores.items():
-                kept = [p for p in kv.kept(seq.request_id, layer) if sc.get(p, float("inf")) != float("inf")]
-                if kept and (best is None or len(kept) > len(best[1])):
-                    best = (layer, kept)
             if best is None:
                 if not self.decode.demote_once(seq, kv, "decode"):
                     return

@@ -284,11 +284,11 @@ class PASKPolicy(KVPolicy):
             return
         allowed = budget * kv.full_kv_bytes(seq.num_tokens)
         while kv.sequence_bytes(seq.request_id) > allowed + 1e-6:
-            kp, kd = state["pask_k"]
+            kp = state["pask_k"][0]
             prompt_level = float(state["pask_table"].prompt.upgrade_costs[kp]) if self.prompt_side else 0.0
-            if not self.demote_once(seq, kv, "decode" if self.decode_fraction(seq) >= prompt_level else "prompt"):
-                if not self.demote_once(seq, kv, "prompt") and not self.demote_once(seq, kv, "decode"):
-                    break
+            order = ("decode", "prompt") if self.decode_fraction(seq) >= prompt_level else ("prompt", "decode")
+            if not any(self.demote_once(seq, kv, side) for side in order):
+                break
 
     def decode_fraction(self, seq) -> float:
         """Expected KV fraction of the decode side's current state (calibration mix); -1 at its floors."""
