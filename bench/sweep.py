@@ -12,7 +12,7 @@ policy) under ``--out``. Each row also gives the achieved budget ratio (mean and
 which the engine holds at or below the requested budget. With ``--prefill-tokens`` the budgets are
 prompt tokens kept per layer instead (generated tokens all kept; ``bench.accuracy``'s
 ``--prefill-tokens``). ``VARIANTS`` adds the ablations as policy names (CompilerKV without its
-head table, without its gate).
+head table, without its gate, at pooling width 5; SnapKV at pooling width 21).
 """
 
 from __future__ import annotations
@@ -28,8 +28,11 @@ from replicas.policies import POLICIES
 
 BUDGETS = (1.0, 0.5, 0.33, 0.25, 0.15)
 # Ablations, run like policies: name -> (policy, policy arguments).
+# The pooling-width rows: CompilerKV at SnapKV's default width (5), SnapKV at CompilerKV's (21).
 VARIANTS = {"compilerkv-no-head-table": ("compilerkv", {"use_head_weights": False}),
-            "compilerkv-no-gate": ("compilerkv", {"use_gate": False})}
+            "compilerkv-no-gate": ("compilerkv", {"use_gate": False}),
+            "compilerkv-kernel5": ("compilerkv", {"kernel": 5}),
+            "snapkv-kernel21": ("snapkv", {"kernel_size": 21})}
 CHOICES = (*POLICIES, *VARIANTS)
 
 

@@ -63,7 +63,7 @@ class CompilerKVCalibrationConfig:
     entropy_bins: int = 20
     ppl_bins: int = 4
     window: int = 32
-    kernel: int = 5
+    kernel: int = 21
     seed: int = 0
 
 
@@ -247,7 +247,7 @@ def compile_tables(cfg: CompilerKVCalibrationConfig, out: Path, executor, progre
     return TableArtifact("compilerkv", tables, model_fingerprint(model_dir), meta)
 
 
-CLI_SETTINGS = ("budgets", "long_prompts", "short_prompts", "rounds", "round_size", "seed")
+CLI_SETTINGS = ("budgets", "long_prompts", "short_prompts", "rounds", "round_size", "kernel", "seed")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,18 +263,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--short-prompts", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--round-size", type=int, default=8)
+    ap.add_argument("--kernel", type=int, default=CompilerKVCalibrationConfig.kernel,
+                    help="pooling width of the token utility (odd); the policy uses the tables' width")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     from models import CheckpointNotFoundError, resolve_checkpoint
     if any(b < 1 for b in args.budgets):
         ap.error("budgets must be positive token counts")
+    if args.kernel < 1 or args.kernel % 2 == 0:
+        ap.error(f"--kernel must be a positive odd width, got {args.kernel}")
     try:
         model_dir = resolve_checkpoint(args.model)
     except CheckpointNotFoundError as e:
         ap.error(str(e))
     cfg = CompilerKVCalibrationConfig(str(model_dir), tuple(sorted(args.budgets)), args.long_prompts,
-                                      args.short_prompts, rounds=args.rounds, round_size=args.round_size, seed=args.seed)
+                                      args.short_prompts, rounds=args.rounds, round_size=args.round_size,
+                                      kernel=args.kernel, seed=args.seed)
     wargs = (str(model_dir), cfg.long_prompts, cfg.short_prompts, cfg.continuation_tokens, cfg.window, cfg.kernel)
     from calibration.executors import make_executor
     executor = make_executor(args.executor, CompilerKVWorker, wargs, args.workers, args.address)

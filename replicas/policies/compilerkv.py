@@ -3,7 +3,8 @@
 Source: CompilerKV (design section 5). After prefill, each layer scores the prompt tokens:
 
 1. *Stabilized token utility* (5.1): per query head, the attention the last ``window`` prompt
-   tokens pay to each token, summed over the window, average-pooled over ``kernel`` neighbours,
+   tokens pay to each token, summed over the window, average-pooled over ``kernel`` neighbours
+   (21 by default: chosen on development prompts, see ``docs/compilerkv.md``),
    times the token's value norm relative to the mean value norm of that head; normalized per head.
 2. *Head heterogeneity* (5.2): head utilities combined with weights ``W_head[budget, layer, head]``.
 3. *Risk gate* (5.3): from the window's mean normalized attention entropy (``E`` bins on [0, 1])
@@ -30,8 +31,11 @@ from replicas.policies.base import check_prefill_tokens
 from replicas.policy import KVAction, KVPolicy, PrefillView
 
 
+DEFAULT_KERNEL = 21  # pooling width; chosen on dev long_context prompts (docs/compilerkv.md)
+
+
 def token_utility(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  k_pos: torch.Tensor, kernel: int = 5) -> tuple[torch.Tensor, float]:
+                  k_pos: torch.Tensor, kernel: int = DEFAULT_KERNEL) -> tuple[torch.Tensor, float]:
     """Stabilized per-head utility of every kept token, and the window's attention entropy.
 
     Args:
@@ -164,7 +168,8 @@ class CompilerKVPolicy(KVPolicy):
         prefill_tokens: prompt tokens each layer keeps at most (B); None: all.
         prefill_fraction: B as a fraction of the prompt instead (exclusive with ``prefill_tokens``).
         window: observation window (last prompt tokens; always kept).
-        kernel: pooling width of the utility.
+        kernel: pooling width of the utility (odd); None: the width the tables were compiled
+            with (their manifest's ``settings.kernel``), ``DEFAULT_KERNEL`` without tables.
         tables: :class:`CompilerKVTables`, an artifact folder, or None (the tables shipped for
             the model, when there are some; else W = 1, T = 1).
         use_head_weights / use_gate: ablation switches (False = W = 1 / T = ``fixed_threshold``).
@@ -175,7 +180,7 @@ class CompilerKVPolicy(KVPolicy):
     prefill_tokens: int | None = None
     prefill_fraction: float | None = None
     window: int = 32
-    kernel: int = 5
+    kernel: int | None = None
     tables: CompilerKVTables | str | None = None
     use_head_weights: bool = True
     use_gate: bool = True
@@ -193,6 +198,8 @@ class CompilerKVPolicy(KVPolicy):
                 raise ValueError(f"prefill_fraction must be in (0, 1], got {self.prefill_fraction}")
         if self.window < 1:
             raise ValueError(f"window must be positive, got {self.window}")
+        if self.kernel is not None and (self.kernel < 1 or self.kernel % 2 == 0):
+            raise ValueError(f"kernel must be a positive odd width, got {self.kernel}")
         if self.fixed_threshold is not None:
             if self.use_gate:
                 raise ValueError("fixed_threshold replaces the gate: set use_gate=False with it")
@@ -210,7 +217,10 @@ class CompilerKVPolicy(KVPolicy):
                 self.tables = str(shipped_table("compilerkv", model_dir))
         if isinstance(self.tables, str):
             from calibration.artifacts import load_artifact
-            self.tables = CompilerKVTables.from_tables(load_artifact(self.tables, "compilerkv", model_dir).tables)
+            artifact = load_artifact(self.tables, "compilerkv", model_dir)
+            self.tables = CompilerKVTables.from_tables(artifact.tables)
+            if self.kernel is None:  # tables built before the width was recorded used 5
+                self.kernel = int(artifact.meta.get("settings", {}).get("kernel", 5))
 
     def check(self, num_prompt_tokens: int, budget: float, kv: KVCache) -> None:
         if budget < 1.0:
@@ -229,7 +239,7 @@ class CompilerKVPolicy(KVPolicy):
         q = view.queries[layer]
         n = view.num_prefilled
         q_pos = torch.arange(n - q.shape[0], n)
-        util, entropy = token_utility(q, q_pos, k, v, positions.cpu(), self.kernel)
+        util, entropy = token_utility(q, q_pos, k, v, positions.cpu(), self.kernel or DEFAULT_KERNEL)
         weights, threshold = torch.ones(util.shape[0]), 1.0
         if isinstance(self.tables, CompilerKVTables):
             w, t = self.tables.lookup(budget_tokens, layer, entropy, view.window_ppl or 1.0)

@@ -168,6 +168,26 @@ def test_shipped_tables_are_the_default(engine):
     assert isinstance(p.tables, CompilerKVTables)
 
 
+def test_pooling_width_follows_the_tables():
+    """The utility's pooling width is the one the tables were compiled with (their manifest),
+    unless given; tables without a recorded width were built with 5."""
+    import json
+    from calibration import shipped_table
+    from models import EMBEDDED_MODEL_DIR
+    shipped = shipped_table("compilerkv", EMBEDDED_MODEL_DIR)
+    width = json.loads((shipped / "manifest.json").read_text())["meta"]["settings"]["kernel"]
+    p = CompilerKVPolicy(prefill_tokens=64)
+    p.bind_model(EMBEDDED_MODEL_DIR)
+    assert p.kernel == width
+    p = CompilerKVPolicy(prefill_tokens=64, kernel=3)
+    p.bind_model(EMBEDDED_MODEL_DIR)
+    assert p.kernel == 3
+    assert CompilerKVPolicy(prefill_tokens=64).kernel is None    # no tables yet: DEFAULT_KERNEL at use
+    for bad in (0, 4, -1):
+        with pytest.raises(ValueError, match="kernel must be a positive odd width"):
+            CompilerKVPolicy(prefill_tokens=64, kernel=bad)
+
+
 def test_gate_mean_weighted_by_calibration_visits():
     """Found in review: unvisited gate cells hold the default 1.0, so a plain mean over cells made
     the no-gate ablation all but T = 1; the mean is weighted by how often prompts used each cell."""
