@@ -9,7 +9,9 @@ A diagnostic, not a policy comparison: it explains the prefill sweep (``bench.sw
 ("Request: ...", where the argument values are stated) among filler notes, after a tool list. For
 each row this runs the prompts through the engine (greedy, tools grammar, B prompt tokens per
 layer, generated tokens kept) and reports the accuracy beside the *request recall* of every layer:
-the share of the request's tokens that layer keeps, averaged over prompts.
+the share of the request's tokens that layer keeps, averaged over prompts. CompilerKV rows also
+give the share of layers whose kept count the risk gate set (it asked for fewer tokens than the
+top-B clamp allows); elsewhere the clamp set it.
 
 Rows are ``bench.sweep`` policy names (and its variants), optionally with policy settings after
 ``@`` (``compilerkv@kernel=9,window=64``: numbers are parsed as int or float), plus oracle rows that read the
@@ -104,6 +106,7 @@ def run_row(row: str, items: list[accuracy.Item], prefill_tokens: int, model_dir
             REQUEST_SPANS[item.id] = request_span(engine.tokenizer, item)
     num_layers = engine.kv.cfg.num_layers
     recall: dict[str, list[float]] = {}
+    gate_decides: list[bool] = []
     on_prefill = engine.policy.on_prefill
 
     def recording(view):
@@ -114,13 +117,17 @@ def run_row(row: str, items: list[accuracy.Item], prefill_tokens: int, model_dir
             dropped[a.layer].update(a.positions)
         recall[view.seq.request_id] = [sum(int(p) not in dropped[layer] for p in span) / len(span)
                                        for layer in range(num_layers)]
+        for g in view.seq.policy_state.get("ckv_gate", {}).values():   # CompilerKV rows
+            gate_decides.append(g["gated"] < g["clamp"])
         return actions
 
     engine.policy.on_prefill = recording
     texts = runner.run_all(items, desc=row)
     ok = [accuracy.score(i, t) for i, t in zip(items, texts)]
     per_layer = [sum(recall[i.id][layer] for i in items) / len(items) for layer in range(num_layers)]
-    return {"row": row, "accuracy": sum(ok) / len(ok), "request_recall": per_layer, **runner.kv_ratio_summary()}
+    return {"row": row, "accuracy": sum(ok) / len(ok), "request_recall": per_layer,
+            "gate_decides": sum(gate_decides) / len(gate_decides) if gate_decides else None,
+            **runner.kv_ratio_summary()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,8 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     for row in args.rows:
         rows.append(run_row(row, items, args.prefill_tokens, model_dir, args.max_tokens))
         r = rows[-1]
+        gate = "" if r["gate_decides"] is None else f"  gate decides {100 * r['gate_decides']:.0f}% of layers"
         print(f"{row:<32} {100 * r['accuracy']:5.1f}%  request recall by layer "
-              + " ".join(f"{x:.2f}" for x in r["request_recall"]), flush=True)
+              + " ".join(f"{x:.2f}" for x in r["request_recall"]) + gate, flush=True)
     result = {"split": args.split, "start": args.start, "prompts": len(items), "prefill_tokens": args.prefill_tokens, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -169,11 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"Request recall per layer ({args.split} split, long_context prompts {args.start}-"
              f"{args.start + len(items) - 1}, "
              f"{args.prefill_tokens} prompt tokens per layer; oracle rows read the ground-truth span)", "",
-             "| row | accuracy % | " + " | ".join(f"L{i}" for i in range(layers)) + " |",
-             "|---|---:|" + "---:|" * layers]
+             "| row | accuracy % | " + " | ".join(f"L{i}" for i in range(layers)) + " | gate decides |",
+             "|---|---:|" + "---:|" * layers + "---:|"]
     for r in rows:
+        gate = "" if r["gate_decides"] is None else f"{100 * r['gate_decides']:.0f} %"
         lines.append(f"| {r['row']} | {100 * r['accuracy']:.1f} | "
-                     + " | ".join(f"{x:.2f}" for x in r["request_recall"]) + " |")
+                     + " | ".join(f"{x:.2f}" for x in r["request_recall"]) + f" | {gate} |")
     (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     return 0
 

@@ -259,7 +259,11 @@ class CompilerKVPolicy(KVPolicy):
     def prefill_actions(self, view: PrefillView, budget_tokens: int, keep_from: int | None = None) -> list[KVAction]:
         """Release, per layer, every prompt token outside the window and the gated top tokens,
         keeping at most ``budget_tokens`` per layer; positions from ``keep_from`` on (generated
-        tokens of a recomputed sequence) are kept as the window is."""
+        tokens of a recomputed sequence) are kept as the window is.
+
+        Records per layer in ``seq.policy_state["ckv_gate"]``: the threshold, the tokens the gate
+        asks for (``gated``) and the room the top-B clamp leaves (``clamp``); the gate decides the
+        layer's count only where ``gated < clamp``."""
         n = view.num_prefilled
         if budget_tokens >= n:
             return []
@@ -272,6 +276,10 @@ class CompilerKVPolicy(KVPolicy):
                 protected |= positions >= keep_from
             view.seq.policy_state.setdefault("ckv_scores", {})[layer] = dict(
                 zip(positions.tolist(), score.masked_fill(protected, float("inf")).tolist()))
+            free = score.masked_fill(protected, 0.0)
+            view.seq.policy_state.setdefault("ckv_gate", {})[layer] = {
+                "threshold": threshold, "gated": gated_keep_count(free, threshold, free.numel()),
+                "clamp": max(0, budget_tokens - int(protected.sum()))}
             drop = positions[~select_tokens(score, protected, threshold, budget_tokens)]
             if drop.numel():
                 actions.append(KVAction(layer, tuple(drop.tolist()), Precision.RELEASED))

@@ -78,8 +78,23 @@ def test_engine_keeps_window_plus_top_b_per_layer(engine, chat_prompts):
             assert len(prompt_kept) <= 64 and set(range(n - 16, n)) <= set(prompt_kept)
             assert all(kept[p] == Precision.HIGH for p in prompt_kept)
         assert seq.metrics.budget_fallbacks == 0
+        # T = 1 asks for every token: the top-B clamp (64 - 16 window) sets each layer's count
+        assert all(g["gated"] > g["clamp"] == 48 for g in seq.policy_state["ckv_gate"].values())
     finally:
         engine.abort("ckv")
+        engine.policy = saved
+    t = tables()
+    t.gate[:] = 0.05                      # a gate that asks for very few tokens decides the count
+    engine.policy = CompilerKVPolicy(prefill_tokens=64, window=16, tables=t)
+    try:
+        engine.add_request("ckv2", prompt, SamplingParams(max_tokens=2), kv_budget=1.0)
+        seq = engine._seqs["ckv2"]
+        engine.step()
+        for layer, g in seq.policy_state["ckv_gate"].items():
+            assert g["threshold"] == pytest.approx(0.05) and g["gated"] < g["clamp"]
+            assert len([p for p in engine.kv.kept("ckv2", layer) if p < n]) == 16 + g["gated"]
+    finally:
+        engine.abort("ckv2")
         engine.policy = saved
 
 
