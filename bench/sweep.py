@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 from bench import accuracy
@@ -122,7 +123,7 @@ def write(rows: list[dict], out: Path, categories: list[str], name: str = "sweep
     else:
         ax.set_xlabel("total KV budget (bytes held / full KV bytes)")
     ax.set_ylabel("accuracy (%)")
-    ax.set_title(f"Function-calling accuracy vs {what}"[:80])
+    ax.set_title(textwrap.fill(f"Function-calling accuracy vs {what}", 60), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
