@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,28 +77,51 @@ def _number(text: str) -> int | float:
         return float(text)
 
 
-def resolve_row(row: str) -> tuple[str, dict]:
-    """(policy name, policy arguments) of a row.
+ORACLE_LAYERS = re.compile(r"oracle-request-layers-(\d+(?:,\d+)*)")
+
+
+def resolve_row(row: str, num_layers: int | None = None) -> tuple[str, dict]:
+    """(policy name, policy arguments) of a row, checked by building its policy (no model needed).
 
     Raises:
-        ValueError: a setting after ``@`` that is not ``key=number``.
+        ValueError: an unknown or uncompressed row, a setting after ``@`` that is not
+            ``key=number`` or that the policy refuses, ``prefill_tokens`` given as a setting, or
+            an oracle layer outside ``[0, num_layers)``; the message names the row.
     """
-    row, _, extra = row.partition("@")
+    name, _, extra = row.partition("@")
     try:
         settings = {k: _number(v) for k, v in (kv.split("=", 1) for kv in extra.split(",") if kv)}
     except ValueError:
-        raise ValueError(f"row settings must be key=number pairs separated by commas, got {extra!r}") from None
-    if row == "oracle-request":
-        return "oracle-request", settings
-    if row.startswith("oracle-request-layers-"):
-        return "oracle-request", {"oracle_layers": tuple(int(x) for x in row.rsplit("-", 1)[1].split(",")), **settings}
-    policy, args = sweep.resolve(row)
-    return policy, {**args, **settings}
+        raise ValueError(f"row {row!r}: settings must be key=number pairs separated by commas, "
+                         f"got {extra!r}") from None
+    if "prefill_tokens" in settings:
+        raise ValueError(f"row {row!r}: set the prompt budget with --prefill-tokens, not per row")
+    if name == "oracle-request":
+        policy, args = "oracle-request", {}
+    elif name.startswith("oracle-request-layers-"):
+        m = ORACLE_LAYERS.fullmatch(name)
+        layers = tuple(int(x) for x in m.group(1).split(",")) if m else ()
+        if not m or (num_layers is not None and any(x >= num_layers for x in layers)):
+            raise ValueError(f"row {row!r}: expected oracle-request-layers-N[,M...] with layers in "
+                             f"0..{(num_layers or 1) - 1}")
+        policy, args = "oracle-request", {"oracle_layers": layers}
+    elif name in sweep.CHOICES and name != "full" and not sweep.without_prefill_tokens([name]):
+        policy, args = sweep.resolve(name)
+    else:
+        rows = [c for c in sweep.CHOICES if c != "full" and not sweep.without_prefill_tokens([c])]
+        raise ValueError(f"row {row!r}: not a prompt compressor; choose from {', '.join(rows)}, "
+                         "oracle-request, oracle-request-layers-N[,M...] (settings after @)")
+    args = {**args, **settings}
+    try:   # the policy's own checks, before any model is loaded
+        (OracleRequestPolicy if policy == "oracle-request" else POLICIES[policy])(prefill_tokens=1, **args)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"row {row!r}: {e}") from None
+    return policy, args
 
 
 def run_row(row: str, items: list[accuracy.Item], prefill_tokens: int, model_dir: Path,
             max_tokens: int = 256) -> dict:
-    policy, args = resolve_row(row)
+    policy, args = resolve_row(row, None)
     runner = accuracy.EngineRunner(model_dir, policy, 1.0, True, max_tokens, max_num_seqs=len(items),
                                    policy_args={**args, "prefill_tokens": prefill_tokens})
     engine = runner.engine
@@ -133,33 +157,32 @@ def run_row(row: str, items: list[accuracy.Item], prefill_tokens: int, model_dir
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.prefill_coverage", description=__doc__.split("\n\n")[0])
     ap.add_argument("--split", default="test", choices=("dev", "test"))
-    ap.add_argument("--start", type=int, default=0, help="index of the first long_context prompt")
+    ap.add_argument("--start", type=int, default=0,
+                    help="index of the first long_context prompt; past the fixed evaluation set (dev 25, "
+                         "test 100 prompts) the generator makes new prompts of the same split")
     ap.add_argument("--limit", type=int, default=40, help="number of long_context prompts")
     ap.add_argument("--prefill-tokens", type=int, default=512)
-    ap.add_argument("--rows", nargs="+", default=["compilerkv", "compilerkv-kernel5", "snapkv", "oracle-request",
+    ap.add_argument("--rows", nargs="+", help="prompt compressors of bench.sweep (e.g. compilerkv, snapkv-kernel21), "
+                    "with settings after @ (compilerkv@kernel=9), or oracle-request[-layers-N,M]", default=["compilerkv", "compilerkv-kernel5", "snapkv", "snapkv-kernel21", "oracle-request",
                                                   "oracle-request-layers-4,5", "oracle-request-layers-0,1,2,3"])
     ap.add_argument("--model", type=Path)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--out", type=Path, default=Path("docs/results"))
     ap.add_argument("--name", default="prefill_coverage")
     args = ap.parse_args(argv)
-    names = [r.partition("@")[0] for r in args.rows]
-    bad = [r for r in names if not (r.startswith("oracle-request") or r in sweep.CHOICES) or r == "full"]
-    if bad:
-        ap.error(f"unknown or uncompressed rows {bad}; choose from {', '.join(sweep.CHOICES)}, oracle-request, "
-                 "oracle-request-layers-N,M")
     if min(args.limit, args.prefill_tokens, args.max_tokens) < 1 or args.start < 0:
         ap.error("--limit, --prefill-tokens and --max-tokens must be at least 1, --start at least 0")
-    try:
-        for r in args.rows:
-            resolve_row(r)
-    except ValueError as e:
-        ap.error(str(e))
     try:
         model_dir = accuracy.resolve_checkpoint(args.model)
     except accuracy.CheckpointNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    num_layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    try:
+        for r in args.rows:
+            resolve_row(r, num_layers)
+    except ValueError as e:
+        ap.error(str(e))
     POLICIES.setdefault("oracle-request", OracleRequestPolicy)
     items = [accuracy.Item(ex.id, ex.category, ex.messages, ex.tools, ex.tools, ex.ground_truth)
              for ex in synth.Generator(args.split).examples("long_context", args.limit, start=args.start)]

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.sweep", description=__doc__.split("\n\n")[0])
     ap.add_argument("--policies", nargs="+", choices=list(CHOICES),
                     help="default: every policy (with --prefill-tokens: full and the prompt-scoring ones)")
-    ap.add_argument("--budgets", nargs="+", type=float, default=list(BUDGETS))
+    ap.add_argument("--budgets", nargs="+", type=float, help=f"total KV budgets (default {' '.join(map(str, BUDGETS))})")
     ap.add_argument("--split", default="test", choices=("dev", "test"))
     ap.add_argument("--category", nargs="+", default=list(accuracy.synth.CATEGORIES))
     ap.add_argument("--limit", type=int, help="examples per category")
@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default="sweep", help="stem of the output files")
     ap.add_argument("--max-tokens", type=int, default=256, help="generated tokens per answer at most")
     args = ap.parse_args(argv)
+    budgets_given = args.budgets is not None
+    args.budgets = args.budgets if budgets_given else list(BUDGETS)
     bad = [b for b in args.budgets if not 0.0 < b <= 1.0]
     if bad:
         ap.error(f"budgets must be in (0, 1]: {bad}")
@@ -155,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         args.policies = ["full", *accuracy.PREFILL_POLICIES] if args.prefill_tokens else list(POLICIES)
     if args.max_tokens < 1:
         ap.error("--max-tokens must be at least 1")
+    if args.limit is not None and args.limit < 1:
+        ap.error("--limit must be at least 1")
+    if args.prefill_tokens and budgets_given:
+        ap.error("--budgets and --prefill-tokens exclude each other: a prefill-token sweep runs at total budget 1.0")
     if args.prefill_tokens:
         if min(args.prefill_tokens) < 1:
             ap.error(f"--prefill-tokens must be positive: {args.prefill_tokens}")

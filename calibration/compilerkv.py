@@ -43,7 +43,8 @@ class CompilerKVCalibrationConfig:
     """Attributes:
         model: HF checkpoint folder.
         budgets: prefill token budgets B compiled.
-        long_prompts / short_prompts: dev prompts of ``long_context`` / of each shorter category.
+        long_prompts / short_prompts: dev prompts of ``long_context`` / of each of ``multiple`` and
+            ``parallel_multiple`` (the shorter categories used).
         continuation_tokens: greedy full-KV continuation length replayed per prompt.
         rounds / round_size: rollouts = rounds x round_size.
         epsilon: exploration rate; price: memory price (nats per full token budget).
@@ -273,6 +274,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("budgets must be positive token counts")
     if args.kernel < 1 or args.kernel % 2 == 0:
         ap.error(f"--kernel must be a positive odd width, got {args.kernel}")
+    from models import synth
+    available = synth.EVAL_SIZES["dev"]
+    if not 1 <= args.long_prompts <= available["long_context"]:
+        ap.error(f"--long-prompts must be in 1..{available['long_context']} (the dev long_context set)")
+    if not 0 <= args.short_prompts <= available["default"]:
+        ap.error(f"--short-prompts must be in 0..{available['default']} (per shorter dev category)")
+    if args.rounds < 1 or args.round_size < 1:
+        ap.error("--rounds and --round-size must be at least 1")
     try:
         model_dir = resolve_checkpoint(args.model)
     except CheckpointNotFoundError as e:

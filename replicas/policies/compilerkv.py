@@ -198,8 +198,8 @@ class CompilerKVPolicy(KVPolicy):
                 raise ValueError(f"prefill_fraction must be in (0, 1], got {self.prefill_fraction}")
         if self.window < 1:
             raise ValueError(f"window must be positive, got {self.window}")
-        if self.kernel is not None and (self.kernel < 1 or self.kernel % 2 == 0):
-            raise ValueError(f"kernel must be a positive odd width, got {self.kernel}")
+        if self.kernel is not None and (type(self.kernel) is not int or self.kernel < 1 or self.kernel % 2 == 0):
+            raise ValueError(f"kernel must be a positive odd int width, got {self.kernel!r}")
         if self.fixed_threshold is not None:
             if self.use_gate:
                 raise ValueError("fixed_threshold replaces the gate: set use_gate=False with it")

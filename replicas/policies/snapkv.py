@@ -35,8 +35,10 @@ class SnapKVPolicy(ScoredPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.window_size < 1 or self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            raise ValueError(f"window_size must be >= 1 and kernel_size odd: {self}")
+        if type(self.window_size) is not int or self.window_size < 1:
+            raise ValueError(f"window_size must be a positive int, got {self.window_size!r}")
+        if type(self.kernel_size) is not int or self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be a positive odd int, got {self.kernel_size!r}")
         if self.pooling not in ("avg", "max"):
             raise ValueError(f"pooling must be 'avg' or 'max', got {self.pooling!r}")
 

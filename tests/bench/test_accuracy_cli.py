@@ -66,6 +66,12 @@ def test_prefill_sweep_on_long_context(tmp_path, capsys):
     with pytest.raises(SystemExit):
         sweep.main(["--prefill-tokens", "256", "--policies", "pask"])
     assert "applies to" in capsys.readouterr().err
+    # Found by a new-user pass: --limit 0 ran every prompt; --budgets beside --prefill-tokens was ignored.
+    for argv, msg in ((["--limit", "0"], "--limit must be at least 1"),
+                      (["--prefill-tokens", "256", "--budgets", "0.5"], "exclude each other")):
+        with pytest.raises(SystemExit):
+            sweep.main(argv)
+        assert msg in capsys.readouterr().err
 
 
 def test_sweep_skips_a_policy_that_refuses_the_budget(capsys):

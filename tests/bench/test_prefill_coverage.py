@@ -38,15 +38,30 @@ def test_oracle_keeps_the_request_in_every_layer(tmp_path, capsys):
     assert "| oracle-request |" in (tmp_path / "c.md").read_text()
     with pytest.raises(SystemExit):
         prefill_coverage.main(["--rows", "full"])
-    assert "unknown or uncompressed rows" in capsys.readouterr().err
+    assert "not a prompt compressor" in capsys.readouterr().err
 
 
 def test_row_settings():
     assert prefill_coverage.resolve_row("compilerkv@kernel=9,window=64") == ("compilerkv", {"kernel": 9, "window": 64})
     assert prefill_coverage.resolve_row("compilerkv-no-gate@kernel=3") == ("compilerkv", {"use_gate": False, "kernel": 3})
-    assert prefill_coverage.resolve_row("oracle-request-layers-4,5") == ("oracle-request", {"oracle_layers": (4, 5)})
+    assert prefill_coverage.resolve_row("oracle-request-layers-4,5", 6) == ("oracle-request", {"oracle_layers": (4, 5)})
     assert prefill_coverage.resolve_row("snapkv@kernel_size=21") == ("snapkv", {"kernel_size": 21})
-    with pytest.raises(ValueError, match="key=number"):
-        prefill_coverage.resolve_row("compilerkv@kernel")
-    with pytest.raises(ValueError, match="key=number"):
-        prefill_coverage.resolve_row("compilerkv@kernel=wide")
+    # Found by a new-user pass: each of these passed the check and crashed after the model loaded.
+    for row, msg in (("compilerkv@kernel", "key=number"), ("compilerkv@kernel=wide", "key=number"),
+                     ("compilerkv@kernel=4", "positive odd int"), ("compilerkv@kernel=9.5", "positive odd int"),
+                     ("compilerkv@nosuch=3", "unexpected keyword argument 'nosuch'"),
+                     ("snapkv@kernel_size=-1", "kernel_size must be a positive odd int"),
+                     ("compilerkv@prefill_tokens=5", "with --prefill-tokens"),
+                     ("pask", "not a prompt compressor"), ("compilerkv+pask", "not a prompt compressor"),
+                     ("full", "not a prompt compressor"), ("oracle-requestx", "not a prompt compressor"),
+                     ("oracle-request-layers-9", "layers in 0..5"), ("oracle-request-layers--1", "layers in 0..5"),
+                     ("oracle-request-layers-x", "layers in 0..5")):
+        with pytest.raises(ValueError, match=msg) as e:
+            prefill_coverage.resolve_row(row, 6)
+        assert repr(row) in str(e.value)
+
+
+def test_bad_rows_refused_before_any_work(capsys):
+    with pytest.raises(SystemExit) as e:
+        prefill_coverage.main(["--rows", "compilerkv", "compilerkv@kernel=4"])
+    assert e.value.code == 2 and "row 'compilerkv@kernel=4'" in capsys.readouterr().err

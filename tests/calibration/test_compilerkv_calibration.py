@@ -49,3 +49,19 @@ def test_micro_model_compilation_is_reproducible_and_loads(micro_model, tmp_path
     (tmp_path / "a" / "tables.safetensors").write_bytes(b"garbage")
     with pytest.raises(ArtifactError, match="unreadable"):
         load_artifact(tmp_path / "a", "compilerkv")
+
+
+def test_cli_refuses_bad_settings_before_any_work(tmp_path, capsys):
+    """Found by a new-user pass: 0 prompts crashed in the quantile of an empty set (leaving a run
+    folder that then refused the corrected command), 0 rounds wrote tables from no rollouts."""
+    from calibration.compilerkv import main
+    base = ["--model", "models/qwen3-fc-6m", "--out", str(tmp_path / "c"), "--executor", "local"]
+    for extra, msg in ((["--kernel", "4"], "--kernel must be a positive odd width"),
+                       (["--long-prompts", "0"], "--long-prompts must be in 1..25"),
+                       (["--long-prompts", "26"], "--long-prompts must be in 1..25"),
+                       (["--short-prompts", "-1"], "--short-prompts must be in 0..50"),
+                       (["--rounds", "0"], "--rounds and --round-size must be at least 1")):
+        with pytest.raises(SystemExit) as e:
+            main(base + extra)
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()

@@ -198,8 +198,8 @@ def test_pooling_width_follows_the_tables():
     p.bind_model(EMBEDDED_MODEL_DIR)
     assert p.kernel == 3
     assert CompilerKVPolicy(prefill_tokens=64).kernel is None    # no tables yet: DEFAULT_KERNEL at use
-    for bad in (0, 4, -1):
-        with pytest.raises(ValueError, match="kernel must be a positive odd width"):
+    for bad in (0, 4, -1, 9.5, True):
+        with pytest.raises(ValueError, match="kernel must be a positive odd int width"):
             CompilerKVPolicy(prefill_tokens=64, kernel=bad)
 
 
