@@ -11,7 +11,7 @@ each row this runs the prompts through the engine (greedy, tools grammar, B prom
 layer, generated tokens kept) and reports the accuracy beside the *request recall* of every layer:
 the share of the request's tokens that layer keeps, averaged over prompts. CompilerKV rows also
 give the share of layers whose kept count the risk gate set (it asked for fewer tokens than the
-top-B clamp allows); elsewhere the clamp set it.
+top-B clamp allows; elsewhere the clamp set it) and how much of the prompt the gate asked for.
 
 Rows are ``bench.sweep`` policy names (and its variants), optionally with policy settings after
 ``@`` (``compilerkv@kernel=9,window=64``: numbers are parsed as int or float), plus oracle rows that read the
@@ -35,6 +35,7 @@ import torch
 from bench import accuracy, sweep
 from models import synth
 from replicas.policies import POLICIES, CompilerKVPolicy
+from replicas.policies.compilerkv import gate_record
 
 REQUEST_SPANS: dict[str, torch.Tensor] = {}   # request id -> token positions of the request paragraph
 SINKS = 4
@@ -131,6 +132,7 @@ def run_row(row: str, items: list[accuracy.Item], prefill_tokens: int, model_dir
     num_layers = engine.kv.cfg.num_layers
     recall: dict[str, list[float]] = {}
     gate_decides: list[bool] = []
+    gate_asks: list[float] = []
     on_prefill = engine.policy.on_prefill
 
     def recording(view):
@@ -141,8 +143,9 @@ def run_row(row: str, items: list[accuracy.Item], prefill_tokens: int, model_dir
             dropped[a.layer].update(a.positions)
         recall[view.seq.request_id] = [sum(int(p) not in dropped[layer] for p in span) / len(span)
                                        for layer in range(num_layers)]
-        for g in view.seq.policy_state.get("ckv_gate", {}).values():   # CompilerKV rows
+        for g in gate_record(view.seq.policy_state, prefill_tokens).values():   # CompilerKV rows
             gate_decides.append(g["gated"] < g["clamp"])
+            gate_asks.append(g["gated"] / max(1, len(view.seq.prompt_token_ids)))
         return actions
 
     engine.policy.on_prefill = recording
@@ -151,6 +154,7 @@ def run_row(row: str, items: list[accuracy.Item], prefill_tokens: int, model_dir
     per_layer = [sum(recall[i.id][layer] for i in items) / len(items) for layer in range(num_layers)]
     return {"row": row, "accuracy": sum(ok) / len(ok), "request_recall": per_layer,
             "gate_decides": sum(gate_decides) / len(gate_decides) if gate_decides else None,
+            "gate_asks": sum(gate_asks) / len(gate_asks) if gate_asks else None,
             **runner.kv_ratio_summary()}
 
 
@@ -190,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in args.rows:
         rows.append(run_row(row, items, args.prefill_tokens, model_dir, args.max_tokens))
         r = rows[-1]
-        gate = "" if r["gate_decides"] is None else f"  gate decides {100 * r['gate_decides']:.0f}% of layers"
+        gate = "" if r["gate_decides"] is None else (f"  gate decides {100 * r['gate_decides']:.0f}% of layers, "
+                                                     f"asks for {100 * r['gate_asks']:.0f}% of the prompt")
         print(f"{row:<32} {100 * r['accuracy']:5.1f}%  request recall by layer "
               + " ".join(f"{x:.2f}" for x in r["request_recall"]) + gate, flush=True)
     result = {"split": args.split, "start": args.start, "prompts": len(items), "prefill_tokens": args.prefill_tokens, "rows": rows}
@@ -200,12 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"Request recall per layer ({args.split} split, long_context prompts {args.start}-"
              f"{args.start + len(items) - 1}, "
              f"{args.prefill_tokens} prompt tokens per layer; oracle rows read the ground-truth span)", "",
-             "| row | accuracy % | " + " | ".join(f"L{i}" for i in range(layers)) + " | gate decides |",
-             "|---|---:|" + "---:|" * layers + "---:|"]
+             "| row | accuracy % | " + " | ".join(f"L{i}" for i in range(layers)) + " | gate decides | gate asks |",
+             "|---|---:|" + "---:|" * layers + "---:|---:|"]
     for r in rows:
-        gate = "" if r["gate_decides"] is None else f"{100 * r['gate_decides']:.0f} %"
+        gate = (" | |" if r["gate_decides"] is None
+                else f" | {100 * r['gate_decides']:.0f} % | {100 * r['gate_asks']:.0f} % |")
         lines.append(f"| {r['row']} | {100 * r['accuracy']:.1f} | "
-                     + " | ".join(f"{x:.2f}" for x in r["request_recall"]) + f" | {gate} |")
+                     + " | ".join(f"{x:.2f}" for x in r["request_recall"]) + gate)
     (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     return 0
 

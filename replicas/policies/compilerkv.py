@@ -82,6 +82,21 @@ def gated_keep_count(scores: torch.Tensor, threshold: float, max_tokens: int) ->
     return max(1, min(need, max_tokens, scores.numel()))
 
 
+def gate_record(policy_state: dict, budget_tokens: int) -> dict[int, dict]:
+    """Per layer of a sequence CompilerKV compressed at ``budget_tokens``: its ``threshold``, the
+    tokens the gate asks for (``gated``) and the room the top-B clamp leaves beside the window
+    (``clamp``); the gate set the layer's kept count only where ``gated < clamp``. Computed from
+    what :meth:`CompilerKVPolicy.prefill_actions` records (a diagnostic, off the serving path)."""
+    out = {}
+    for layer, threshold in policy_state.get("ckv_threshold", {}).items():
+        scores = torch.tensor(list(policy_state["ckv_scores"][layer].values()))
+        window = torch.isinf(scores)
+        free = scores.masked_fill(window, 0.0)
+        out[layer] = {"threshold": threshold, "gated": gated_keep_count(free, threshold, free.numel()),
+                      "clamp": max(0, budget_tokens - int(window.sum()))}
+    return out
+
+
 def combine_heads(util: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Per-token score ``[n]``: head utilities ``[Hq, n]`` averaged with head weights ``[Hq]``."""
     return (weights.float()[:, None] * util).sum(0) / weights.float().sum()
@@ -219,8 +234,8 @@ class CompilerKVPolicy(KVPolicy):
             from calibration.artifacts import load_artifact
             artifact = load_artifact(self.tables, "compilerkv", model_dir)
             self.tables = CompilerKVTables.from_tables(artifact.tables)
-            if self.kernel is None:  # tables built before the width was recorded used 5
-                self.kernel = int(artifact.meta.get("settings", {}).get("kernel", 5))
+            if self.kernel is None:  # the width the tables were compiled with
+                self.kernel = int(artifact.meta.get("settings", {}).get("kernel", DEFAULT_KERNEL))
 
     def check(self, num_prompt_tokens: int, budget: float, kv: KVCache) -> None:
         if budget < 1.0:
@@ -261,9 +276,8 @@ class CompilerKVPolicy(KVPolicy):
         keeping at most ``budget_tokens`` per layer; positions from ``keep_from`` on (generated
         tokens of a recomputed sequence) are kept as the window is.
 
-        Records per layer in ``seq.policy_state["ckv_gate"]``: the threshold, the tokens the gate
-        asks for (``gated``) and the room the top-B clamp leaves (``clamp``); the gate decides the
-        layer's count only where ``gated < clamp``."""
+        Records per layer in ``seq.policy_state``: ``ckv_scores`` (position -> score, inf for the
+        window) and ``ckv_threshold`` (see :func:`gate_record`)."""
         n = view.num_prefilled
         if budget_tokens >= n:
             return []
@@ -276,10 +290,7 @@ class CompilerKVPolicy(KVPolicy):
                 protected |= positions >= keep_from
             view.seq.policy_state.setdefault("ckv_scores", {})[layer] = dict(
                 zip(positions.tolist(), score.masked_fill(protected, float("inf")).tolist()))
-            free = score.masked_fill(protected, 0.0)
-            view.seq.policy_state.setdefault("ckv_gate", {})[layer] = {
-                "threshold": threshold, "gated": gated_keep_count(free, threshold, free.numel()),
-                "clamp": max(0, budget_tokens - int(protected.sum()))}
+            view.seq.policy_state.setdefault("ckv_threshold", {})[layer] = threshold
             drop = positions[~select_tokens(score, protected, threshold, budget_tokens)]
             if drop.numel():
                 actions.append(KVAction(layer, tuple(drop.tolist()), Precision.RELEASED))

@@ -33,7 +33,7 @@ def test_oracle_keeps_the_request_in_every_layer(tmp_path, capsys):
     # the other layers rank by CompilerKV's own score, as the plain row does
     assert rows["oracle-request-layers-5"]["request_recall"][:5] == pytest.approx(rows["compilerkv"]["request_recall"][:5])
     assert all(r["kv_ratio_max"] < 0.25 for r in rows.values())
-    assert 0.0 <= rows["compilerkv"]["gate_decides"] <= 1.0
+    assert 0.0 <= rows["compilerkv"]["gate_decides"] <= 1.0 and 0.0 < rows["compilerkv"]["gate_asks"] <= 1.0
     assert rows["oracle-request"]["gate_decides"] == 0.0      # T = 1 in every oracle layer
     assert "| oracle-request |" in (tmp_path / "c.md").read_text()
     with pytest.raises(SystemExit):

@@ -6,7 +6,7 @@ import torch
 
 from replicas.kv_cache import Precision
 from replicas.policies import CompilerKVPolicy, CompilerKVTables
-from replicas.policies.compilerkv import gated_keep_count, token_utility
+from replicas.policies.compilerkv import gate_record, gated_keep_count, token_utility
 from replicas.sampling_params import SamplingParams
 
 
@@ -79,7 +79,7 @@ def test_engine_keeps_window_plus_top_b_per_layer(engine, chat_prompts):
             assert all(kept[p] == Precision.HIGH for p in prompt_kept)
         assert seq.metrics.budget_fallbacks == 0
         # T = 1 asks for every token: the top-B clamp (64 - 16 window) sets each layer's count
-        assert all(g["gated"] > g["clamp"] == 48 for g in seq.policy_state["ckv_gate"].values())
+        assert all(g["gated"] > g["clamp"] == 48 for g in gate_record(seq.policy_state, 64).values())
     finally:
         engine.abort("ckv")
         engine.policy = saved
@@ -90,7 +90,7 @@ def test_engine_keeps_window_plus_top_b_per_layer(engine, chat_prompts):
         engine.add_request("ckv2", prompt, SamplingParams(max_tokens=2), kv_budget=1.0)
         seq = engine._seqs["ckv2"]
         engine.step()
-        for layer, g in seq.policy_state["ckv_gate"].items():
+        for layer, g in gate_record(seq.policy_state, 64).items():
             assert g["threshold"] == pytest.approx(0.05) and g["gated"] < g["clamp"]
             assert len([p for p in engine.kv.kept("ckv2", layer) if p < n]) == 16 + g["gated"]
     finally:
