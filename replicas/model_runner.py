@@ -1,12 +1,13 @@
 """Runs the model over the KV cache: prefill (one sequence at a time, causal SDPA) and batched
-decode (one token per sequence, paged attention over the kept HIGH + LOW entries)."""
+decode (one token per sequence, paged attention over the kept HIGH + LOW entries, as the step's
+``DecodePlan`` lays them out)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from replicas.kv_cache import KVCache
+from replicas.kv_cache import DecodePlan, KVCache
 from replicas.models import CausalLM
 from replicas.models.llama import causal_attention
 from replicas.sequence import Sequence
@@ -45,23 +46,25 @@ class ModelRunner:
         return self.model.logits(hidden[-1:])[0], queries, ppl
 
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence], record_queries: bool = False):
-        """One decode step for ``seqs``: each feeds its last token at its true position.
+    def decode(self, seqs: list[Sequence], plan: DecodePlan, record_queries: bool = False):
+        """One decode step for ``seqs``: each feeds its last token at its true position. The KV
+        of the new tokens goes where ``plan`` (``KVCache.plan_decode``) put it, at the precision it
+        names; attention reads the plan's block tables. Per layer: one store per pool and one
+        attention call per pool, nothing per sequence.
 
         Returns next-token logits ``[B, vocab]`` float32 and, when ``record_queries``, per layer
         the step's queries ``[B, Hq, D]`` (else an empty dict).
         """
-        ids = torch.tensor([s.all_token_ids[-1] for s in seqs], dtype=torch.long, device=self.device)
-        pos = [s.num_tokens - 1 for s in seqs]
-        positions = torch.tensor(pos, device=self.device)
-        seq_ids = [s.request_id for s in seqs]
-
+        ids = torch.tensor([s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1] for s in seqs],
+                           dtype=torch.long, device=self.device)
+        positions = torch.tensor([s.num_tokens - 1 for s in seqs], device=self.device)
         queries: dict[int, torch.Tensor] = {}
+        kv = self.kv
 
         def attention(layer: int, q, k, v):
-            self.kv.append_decode(seq_ids, layer, pos, k, v)
+            kv.store(plan, layer, k, v)
             if record_queries:
                 queries[layer] = q.clone()
-            return self.kv.decode_attention(seq_ids, layer, q)
+            return kv.attend(plan, layer, q, k, v)
 
         return self.model.logits(self.model(ids, positions, attention)), queries

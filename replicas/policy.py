@@ -1,13 +1,21 @@
 """The KV policy interface: a policy decides what the KV cache keeps; the engine carries it out.
 
-Modelled on NVIDIA kvpress: one small class per method, configured by dataclass fields. Two hooks:
+Modelled on NVIDIA kvpress: one small class per method, configured by dataclass fields. A policy
+declares what it needs in :attr:`KVPolicy.spec` (the engine never probes for attributes) and decides
+at three points:
 
 - :meth:`KVPolicy.on_prefill`, after a sequence's prompt is in the cache: which prompt tokens each
-  layer keeps, and at which precision;
-- :meth:`KVPolicy.on_decode`, after each decode step: the precision of the step's new token per
-  layer (group), and what to demote or release when the sequence is over its budget.
+  layer keeps, and at which precision (:class:`KVAction` s, applied with ``KVCache.set_precision``);
+- :meth:`KVPolicy.decode_targets`, before a decode step, for the whole batch: the precision each
+  new token is *stored* at in every layer (``[B, L]``; PASK looks it up from the token's parser
+  bucket), so nothing is written at HIGH to be demoted a step later;
+- :meth:`KVPolicy.decode_evictions`, after the step's forward, for the whole batch: which kept
+  entries to release (scoring policies: the lowest score of each layer over its quota, one
+  ``argmin`` over ``(pairs, positions)``).
 
-Both return :class:`KVAction` s; the engine applies them with ``KVCache.set_precision``.
+The budget guarantee (bytes held <= budget x full-KV bytes after every step) is the engine's:
+it checks the batch in one comparison and calls :meth:`KVPolicy.hold_budget` only for a sequence
+that is over.
 """
 
 from __future__ import annotations
@@ -18,6 +26,43 @@ import torch
 
 from replicas.kv_cache import KVCache, Precision
 from replicas.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """What a policy needs from the engine, declared once.
+
+    Attributes:
+        needs_tags: structural tags of generated tokens and labels of prompt tokens (PASK).
+        observation_window: prompt queries to record per layer for ``on_prefill`` (last w tokens).
+        wants_window_ppl: the perplexity of those window tokens (CompilerKV's risk gate).
+        record_decode_queries: pass each decode step's queries to ``decode_evictions`` (H2O).
+        prompt_only: compresses the prompt to a token count; held at budget 1.0.
+        table_kinds: calibrated tables the cluster registry may swap in (``LLMEngine.load_table``).
+        precisions: KV pools the policy stores into (HIGH always).
+    """
+    needs_tags: bool = False
+    observation_window: int = 0
+    wants_window_ppl: bool = False
+    record_decode_queries: bool = False
+    prompt_only: bool = False
+    table_kinds: tuple[str, ...] = ()
+    precisions: tuple[Precision, ...] = (Precision.HIGH,)
+
+
+@dataclass(frozen=True)
+class Evictions:
+    """Releases decided for a decode batch: one position per distinct (row, layer) pair in
+    ``rows, layers, positions`` (``[n]`` int64 each; applied by ``KVCache.release_one``), plus
+    rare per-sequence actions (several releases in one layer, e.g. after the budget fell)."""
+    rows: torch.Tensor
+    layers: torch.Tensor
+    positions: torch.Tensor
+    actions: tuple[tuple[Sequence, KVAction], ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return self.rows.numel() == 0 and not self.actions
 
 
 @dataclass(frozen=True)
@@ -62,11 +107,36 @@ class DecodeView:
 
 
 class KVPolicy:
-    """Base class. ``observation_window``: prompt queries to record per layer for ``on_prefill``;
-    ``record_decode_queries``: pass each decode step's queries to ``on_decode``."""
+    """Base class. The class attributes below are the defaults of :attr:`spec`."""
     name = "base"
     observation_window = 0
     record_decode_queries = False
+    needs_tags = False
+    wants_window_ppl = False
+    prompt_only = False
+    table_kinds: tuple[str, ...] = ()
+    precisions: tuple[Precision, ...] = (Precision.HIGH,)
+    floor_cost = 0.0   # expected KV fraction at the policy's floors (0: no floors)
+
+    @property
+    def spec(self) -> PolicySpec:
+        """What the policy needs (read by the engine once per request or step)."""
+        return PolicySpec(self.needs_tags, self.observation_window, self.wants_window_ppl,
+                          self.record_decode_queries, bool(self.prompt_only), tuple(self.table_kinds),
+                          tuple(self.precisions))
+
+    def bind_model(self, model_dir) -> None:
+        """Load what the policy needs for the served model (tables); default: nothing."""
+
+    def check_prompt(self, labels: list[int], budget: float, kv: KVCache) -> None:
+        """Refuse a prompt (by its labels) whose floors exceed ``budget`` (policies with tags)."""
+
+    def prompt_floor(self, labels: list[int], kv: KVCache) -> float:
+        """KV fraction of this prompt at the policy's floors (0 without floors)."""
+        return 0.0
+
+    def swap_table(self, folder, model_dir) -> None:
+        raise ValueError(f"policy {self.name!r} has no swappable table")
 
     def check(self, num_prompt_tokens: int, budget: float, kv: KVCache) -> None:
         """Refuse, before any work, a request whose budget this policy cannot meet.
@@ -79,7 +149,20 @@ class KVPolicy:
         return []
 
     def on_decode(self, view: DecodeView) -> list[KVAction]:
+        """One sequence's decode decisions after its new token is stored (tests and tools; the
+        engine calls the batched :meth:`decode_targets` and :meth:`decode_evictions`)."""
         return []
+
+    def decode_targets(self, seqs: list[Sequence], kv: KVCache) -> torch.Tensor | None:
+        """``[B, L]`` int64 Precision each new token of the batch is stored at per layer (the token
+        each sequence feeds this step, at position ``num_tokens - 1``), or None: all HIGH."""
+        return None
+
+    def decode_evictions(self, seqs: list[Sequence], kv: KVCache, rows: torch.Tensor,
+                         queries: dict[int, torch.Tensor]) -> Evictions | None:
+        """Releases after a decode step (``rows [B]``: the batch's cache rows; ``queries``: layer ->
+        ``[B, Hq, D]`` when the spec records them). None: nothing to release."""
+        return None
 
     def hold_budget(self, seq: Sequence, kv: KVCache, budget: float) -> None:
         """After a step's actions: bring ``seq`` within ``budget`` x full-KV bytes the policy's way

@@ -1,7 +1,11 @@
 """Continuous batching: admission by KV memory in compressed bytes, preemption by recompute.
 
-Each step is either a prefill step (admit waiting sequences whose whole prompt fits the free KV
-bytes, FIFO) or a decode step (every running sequence, one token). Before a decode step, a
+Each step is either a prefill step (admit waiting sequences, FIFO, while their KV fits the free
+bytes) or a decode step (every running sequence, one token). Admission counts *compressed* bytes:
+a sequence is prefilled whole at HIGH and its policy compresses it to at most ``kv_budget`` x full
+KV before the next one is prefilled, so the step needs the compressed size of every admitted
+sequence plus the largest transient (full minus compressed) of one. That is how a third of the KV
+becomes about three times the batch. Before a decode step, a
 sequence whose next token needs new pages that the pool cannot give preempts the most recently
 admitted running sequences: their cache is freed and they wait at the front of the queue, to be
 prefilled again with prompt and output so far (vLLM's recompute preemption).
@@ -9,6 +13,7 @@ prefilled again with prompt and output so far (vLLM's recompute preemption).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -73,12 +78,14 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        reserve = sum(self.kv.next_token_bytes(s.request_id) for s in self.running)
+        reserve = self.kv.next_step_bytes([s.request_id for s in self.running])
         budget_tokens = self.cfg.max_num_batched_tokens
+        held, transient = 0, 0
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
-            need = self.kv.full_kv_bytes(seq.num_tokens)
-            if need + reserve > self.kv.bytes_free:
+            full = self.kv.full_kv_bytes(seq.num_tokens)
+            compressed = min(full, math.ceil(seq.kv_budget * full))
+            if reserve + held + compressed + max(transient, full - compressed) > self.kv.bytes_free:
                 break
             if out.prefill and seq.num_tokens > budget_tokens:
                 break
@@ -87,12 +94,13 @@ class Scheduler:
             self.kv.add_sequence(seq.request_id)
             self.running.append(seq)
             out.prefill.append(seq)
-            reserve += need
+            held += compressed
+            transient = max(transient, full - compressed)
             budget_tokens -= seq.num_tokens
         if out.prefill:
             return out
         while self.running:
-            need = sum(self.kv.next_token_bytes(s.request_id) for s in self.running)
+            need = self.kv.next_step_bytes([s.request_id for s in self.running])
             if need <= self.kv.bytes_free or len(self.running) == 1:
                 break
             victim = self.running.pop()

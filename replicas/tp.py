@@ -83,7 +83,7 @@ class Broadcaster:
 class MirroredKVCache:
     """Rank 0's KV cache: mutations are broadcast to the workers before being applied locally."""
 
-    MUTATIONS = ("add_sequence", "free_sequence", "set_precision")
+    MUTATIONS = ("add_sequence", "free_sequence", "set_precision", "plan_decode", "release_one")
 
     def __init__(self, local, broadcaster: Broadcaster):
         self._local, self._bcast = local, broadcaster
@@ -108,9 +108,11 @@ class MirroredRunner:
         self._bcast.send("prefill", seq.request_id, seq.all_token_ids, observation_window)
         return self._local.prefill(seq, observation_window, window_ppl)
 
-    def decode(self, seqs, record_queries: bool = False):
-        self._bcast.send("decode", [(s.request_id, s.all_token_ids[-1], s.num_tokens) for s in seqs], record_queries)
-        return self._local.decode(seqs, record_queries)
+    def decode(self, seqs, plan, record_queries: bool = False):
+        """The plan itself was built on every rank by the mirrored ``kv.plan_decode`` just before."""
+        last = [s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1] for s in seqs]
+        self._bcast.send("decode", [(s.request_id, t, s.num_tokens) for s, t in zip(seqs, last)], record_queries)
+        return self._local.decode(seqs, plan, record_queries)
 
 
 class _Stub:
@@ -119,6 +121,7 @@ class _Stub:
 
     def __init__(self, request_id, token_ids, num_tokens=None):
         self.request_id, self.all_token_ids = request_id, token_ids
+        self.prompt_token_ids, self.output_token_ids = token_ids, []
         self.num_tokens = len(token_ids) if num_tokens is None else num_tokens
 
 
@@ -128,6 +131,7 @@ def worker_main(rank: int, world_size: int, port: int, config, addr: str = "127.
     from replicas.engine import build_rank
     torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
     runner, kv = build_rank(config, rank, world_size, port, addr, device_index)
+    plan = None
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0)
@@ -135,11 +139,13 @@ def worker_main(rank: int, world_size: int, port: int, config, addr: str = "127.
         if method == "stop":
             break
         if method.startswith("kv."):
-            getattr(kv, method[3:])(*args)
+            result = getattr(kv, method[3:])(*args)
+            if method == "kv.plan_decode":
+                plan = result          # the step's plan, read by the "decode" that follows
         elif method == "prefill":
             runner.prefill(_Stub(args[0], args[1]), args[2])
         elif method == "decode":
-            runner.decode([_Stub(rid, [tok], n) for rid, tok, n in args[0]], args[1])
+            runner.decode([_Stub(rid, [tok], n) for rid, tok, n in args[0]], plan, args[1])
     dist.destroy_process_group()
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from replicas.kv_cache import KVCache, Precision
-from replicas.policy import DecodeView, KVAction, KVPolicy, PrefillView
+from replicas.policy import DecodeView, Evictions, KVAction, KVPolicy, PrefillView
 from replicas.sequence import Sequence
 
 KEEP = 1e30  # score of tokens a policy protects (sinks, observation window ...)
@@ -95,13 +95,17 @@ class ScoredPolicy(KVPolicy):
 
     ``block_size`` (tokens per page) is set by the engine from its KV cache.
 
-    Subclasses fill ``seq.policy_state["scores"][layer]``, a float tensor indexed by position:
-    :meth:`prefill_scores` after prefill, :meth:`decode_score` for each new token (and may update
-    earlier scores, as H2O does, in :meth:`observe_decode`).
+    Scores live in one policy-owned tensor (:meth:`scores`, indexed by the cache row, layer and
+    position): :meth:`prefill_scores` fills a sequence's prompt after prefill,
+    :meth:`decode_scores` gives each new token's for the whole batch, and H2O adds decode
+    attention in :meth:`observe_decode_batch`.
     """
 
     prefill_tokens: int | None = field(default=None, kw_only=True)
     block_size = 16
+    _scores: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _quota: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _quota_key: list | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         check_prefill_tokens(self.prefill_tokens)
@@ -154,49 +158,122 @@ class ScoredPolicy(KVPolicy):
     def prefill_scores(self, view: PrefillView, layer: int, positions: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def decode_score(self, view: DecodeView, layer: int) -> float:
-        """Score of the new token (default: recency, below protected tokens)."""
-        return float(view.position)
-
-    def observe_decode(self, view: DecodeView) -> None:
-        """Hook for policies that update scores from decode attention."""
-
     def protected(self, seq: Sequence, layer: int, positions: torch.Tensor, num_tokens: int,
                   quota_tokens: int) -> torch.Tensor | None:
         """Boolean mask of ``positions`` kept before any scored token (e.g. a recent window)."""
         return None
 
+    # -------------------------------------------------------------- score storage
+    def scores(self, kv: KVCache) -> torch.Tensor:
+        """``[rows, L, max_model_len]`` float32 score of every (sequence row, layer, position);
+        -inf where nothing was scored. Allocated for the cache's shape on first use."""
+        cfg = kv.cfg
+        shape = (cfg.max_num_seqs, cfg.num_layers, cfg.max_model_len)
+        if self._scores is None or tuple(self._scores.shape) != shape:
+            self._scores = torch.full(shape, float("-inf"))
+        return self._scores
+
     # -------------------------------------------------------------- hooks of the engine
     def on_prefill(self, view: PrefillView) -> list[KVAction]:
         n = view.num_prefilled
         positions = torch.arange(n)
-        view.seq.policy_state["scores"] = {
-            layer: self.prefill_scores(view, layer, positions).float().cpu()
-            for layer in range(view.kv.cfg.num_layers)}
+        table, row = self.scores(view.kv), view.kv.row(view.seq.request_id)
+        table[row] = float("-inf")
+        for layer in range(view.kv.cfg.num_layers):
+            table[row, layer, :n] = self.prefill_scores(view, layer, positions).float().cpu()
         return self.fit(view.seq, view.kv, view.budget, n)
 
+    def decode_scores(self, seqs: list[Sequence], positions: torch.Tensor, num_layers: int) -> torch.Tensor:
+        """``[B, L]`` score of each sequence's new token (at ``positions [B]``) in every layer;
+        default: recency (its position), below protected tokens."""
+        return positions.float()[:, None].expand(-1, num_layers)
+
+    def observe_decode_batch(self, seqs: list[Sequence], kv: KVCache, rows: torch.Tensor,
+                             positions: torch.Tensor, queries: dict[int, torch.Tensor]) -> None:
+        """Hook for policies that update scores from decode attention (H2O)."""
+
+    def protected_scores(self, scores: torch.Tensor, positions: torch.Tensor, num_tokens: torch.Tensor,
+                         quotas: torch.Tensor) -> torch.Tensor:
+        """``scores [n, T]`` over positions ``[T]`` of n (sequence, layer) pairs whose sequences
+        hold ``num_tokens [n]`` tokens under ``quotas [n]``, with protected tokens lifted above
+        every scored one (default: unchanged; H2O protects a recent window)."""
+        return scores
+
+    def decode_evictions(self, seqs, kv, rows, queries):
+        """After each decode step: the new token's score, then in every layer over its quota the
+        lowest-scoring kept tokens (the new one included) are released, for the whole batch in
+        one ``argmin``. The papers evict per token too (H2O Algorithm 1, StreamingLLM's rolling
+        window); doing it per step keeps their decisions exactly, and it costs one batched
+        swap-remove: the new token moves into the hole the released entry leaves, so no page is
+        opened or emptied except when a layer's quota grows."""
+        L = kv.cfg.num_layers
+        positions = torch.tensor([s.num_tokens - 1 for s in seqs], dtype=torch.int64)
+        table = self.scores(kv)
+        table[rows[:, None], torch.arange(L)[None, :], positions[:, None]] = self.decode_scores(seqs, positions, L)
+        self.observe_decode_batch(seqs, kv, rows, positions, queries)
+        quotas = self._decode_quotas(seqs, kv, rows)                                  # [B, L]
+        over = kv.blocks.kept_counts(rows) - quotas
+        if not bool((over > 0).any()):
+            return None
+        bi, li = (over > 0).nonzero(as_tuple=True)
+        width = int(positions.max()) + 1
+        r = rows[bi]
+        s = table[r, li, :width].clone()
+        s = self.protected_scores(s, torch.arange(width), positions[bi] + 1, quotas[bi, li])
+        s = s.masked_fill(kv.blocks.location[r, li, :width] < 0, float("inf"))
+        single = over[bi, li] == 1
+        drop = s[single].argmin(dim=1)
+        actions = []
+        for i in (~single).nonzero().flatten().tolist():   # several at once: only after the budget fell
+            d = int(over[bi[i], li[i]])
+            pos = torch.topk(-s[i], d).indices
+            actions.append((seqs[int(bi[i])], KVAction(int(li[i]), tuple(pos.tolist()), Precision.RELEASED)))
+        return Evictions(r[single], li[single], drop, tuple(actions))
+
+    def _decode_quotas(self, seqs, kv, rows) -> torch.Tensor:
+        """``[B, L]`` tokens each layer may keep now; a sequence's quotas are recomputed only when
+        they can change (budget mode: its page count; prefill-token mode: they grow by one per
+        generated token, from a fixed split)."""
+        cfg = kv.cfg
+        self.block_size = cfg.block_size
+        if self._quota is None or self._quota.shape != (cfg.max_num_seqs, cfg.num_layers):
+            self._quota = torch.zeros(cfg.max_num_seqs, cfg.num_layers, dtype=torch.int64)
+            self._quota_key = [None] * cfg.max_num_seqs
+        extra = torch.zeros(len(seqs), dtype=torch.int64)
+        for i, (seq, row) in enumerate(zip(seqs, rows.tolist())):
+            n = seq.num_tokens
+            if self.prefill_tokens is None:
+                key = (seq.request_id, seq.kv_budget, -(-n // cfg.block_size))
+            else:
+                num_prompt = min(len(seq.prompt_token_ids), n)
+                key, extra[i] = (seq.request_id, num_prompt), n - num_prompt
+            if self._quota_key[row] != key:
+                q = self.layer_quotas(seq, cfg.num_layers, seq.kv_budget, n)
+                self._quota[row] = torch.tensor(q) - extra[i]
+                self._quota_key[row] = key
+        return self._quota[rows] + extra[:, None]
+
     def on_decode(self, view: DecodeView) -> list[KVAction]:
-        scores = view.seq.policy_state["scores"]
-        for layer in range(view.kv.cfg.num_layers):
-            new = torch.tensor([self.decode_score(view, layer)])
-            gap = view.position - scores[layer].shape[0]
-            pad = torch.full((gap,), float("-inf")) if gap > 0 else torch.empty(0)
-            scores[layer] = torch.cat([scores[layer], pad, new])
-        self.observe_decode(view)
-        return self.fit(view.seq, view.kv, view.budget, view.position + 1)
+        kv, seq = view.kv, view.seq
+        seq.kv_budget = view.budget
+        rows = torch.tensor([kv.row(seq.request_id)])
+        ev = self.decode_evictions([seq], kv, rows, {l: q[None] for l, q in view.queries.items()})
+        if ev is None:
+            return []
+        out = [KVAction(int(l), (int(p),), Precision.RELEASED) for l, p in zip(ev.layers, ev.positions)]
+        return out + [a for _, a in ev.actions]
 
     def fit(self, seq: Sequence, kv: KVCache, budget: float, num_tokens: int) -> list[KVAction]:
         """Release, in every layer, the lowest-scoring tokens above the layer's quota."""
         cfg = kv.cfg
         self.block_size = cfg.block_size
-        scores = seq.policy_state["scores"]
+        table, row = self.scores(kv), kv.row(seq.request_id)
         actions = []
         for layer, quota in enumerate(self.layer_quotas(seq, cfg.num_layers, budget, num_tokens)):
-            kept = kv.kept(seq.request_id, layer)
-            if len(kept) <= quota:
+            pos = kv.kept_positions(seq.request_id, layer)
+            if len(pos) <= quota:
                 continue
-            pos = torch.tensor(sorted(kept), dtype=torch.long)
-            s = scores[layer][pos].clone()
+            s = table[row, layer][pos].clone()
             mask = self.protected(seq, layer, pos, num_tokens, quota)
             if mask is not None:
                 s[mask] = KEEP + pos[mask].float()

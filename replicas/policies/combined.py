@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from replicas.kv_cache import KVCache
+import torch
+
+from replicas.kv_cache import KVCache, Precision
 from replicas.policies.base import total_pages
 from replicas.policies.compilerkv import CompilerKVPolicy
 from replicas.policies.pask import PASKPolicy
@@ -32,6 +34,7 @@ class CompilerKVPASKPolicy(KVPolicy):
     table_kinds = ("pask",)
     needs_tags = True
     wants_window_ppl = True
+    precisions = (Precision.HIGH, Precision.INT8, Precision.INT4)
 
     def __post_init__(self):
         self.prompt = CompilerKVPolicy(window=self.window, tables=self.compilerkv_tables)
@@ -71,6 +74,9 @@ class CompilerKVPASKPolicy(KVPolicy):
     def on_decode(self, view: DecodeView) -> list[KVAction]:
         return self.decode.on_decode(view)
 
+    def decode_targets(self, seqs, kv: KVCache):
+        return self.decode.decode_targets(seqs, kv)
+
     def hold_budget(self, seq, kv: KVCache, budget: float) -> None:
         """Until the sequence holds at most ``budget`` x full-KV bytes: while PASK's decode state has a
         higher expected KV fraction than the share of the prompt CompilerKV still keeps, PASK demotes
@@ -80,7 +86,6 @@ class CompilerKVPASKPolicy(KVPolicy):
         drained the decode state to its floors within a 24-token answer (regression test)."""
         if budget >= 1.0 or "pask_k" not in seq.policy_state:
             return
-        from replicas.kv_cache import Precision
         allowed = budget * kv.full_kv_bytes(seq.num_tokens)
         scores = seq.policy_state.get("ckv_scores", {})
         prompt_len = len(seq.prompt_token_ids)
@@ -88,12 +93,13 @@ class CompilerKVPASKPolicy(KVPolicy):
             # One pass over the layers: the prompt's kept share, and the layer with most droppable tokens.
             kept_prompt, best = 0, None
             for layer in range(kv.cfg.num_layers):
-                kept = kv.kept(seq.request_id, layer)
-                kept_prompt += sum(1 for p in kept if p < prompt_len)
+                kept = kv.kept_positions(seq.request_id, layer)
+                kept_prompt += int((kept < prompt_len).sum())
                 sc = scores.get(layer)
                 if sc is not None:
-                    droppable = [p for p in kept if sc.get(p, float("inf")) != float("inf")]
-                    if droppable and (best is None or len(droppable) > len(best[1])):
+                    cand = kept[kept < sc.shape[0]]
+                    droppable = cand[~torch.isinf(sc[cand])]
+                    if droppable.numel() and (best is None or droppable.numel() > best[1].numel()):
                         best = (layer, droppable)
             prompt_share = kept_prompt / max(1, prompt_len * kv.cfg.num_layers)
             if self.decode.decode_fraction(seq) >= prompt_share and self.decode.demote_once(seq, kv, "decode"):
@@ -103,5 +109,5 @@ class CompilerKVPASKPolicy(KVPolicy):
                     return
                 continue
             layer, kept = best
-            drop = sorted(kept, key=lambda p: scores[layer][p])[: kv.cfg.block_size]
-            kv.set_precision(seq.request_id, layer, drop, Precision.RELEASED)
+            order = torch.sort(scores[layer][kept], stable=True).indices
+            kv.set_precision(seq.request_id, layer, kept[order[: kv.cfg.block_size]], Precision.RELEASED)

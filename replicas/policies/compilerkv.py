@@ -89,7 +89,7 @@ def gate_record(policy_state: dict, budget_tokens: int) -> dict[int, dict]:
     what :meth:`CompilerKVPolicy.prefill_actions` records (a diagnostic, off the serving path)."""
     out = {}
     for layer, threshold in policy_state.get("ckv_threshold", {}).items():
-        scores = torch.tensor(list(policy_state["ckv_scores"][layer].values()))
+        scores = policy_state["ckv_scores"][layer]
         window = torch.isinf(scores)
         free = scores.masked_fill(window, 0.0)
         out[layer] = {"threshold": threshold, "gated": gated_keep_count(free, threshold, free.numel()),
@@ -276,7 +276,7 @@ class CompilerKVPolicy(KVPolicy):
         keeping at most ``budget_tokens`` per layer; positions from ``keep_from`` on (generated
         tokens of a recomputed sequence) are kept as the window is.
 
-        Records per layer in ``seq.policy_state``: ``ckv_scores`` (position -> score, inf for the
+        Records per layer in ``seq.policy_state``: ``ckv_scores`` (``[n]`` float32 score by position, inf for the
         window) and ``ckv_threshold`` (see :func:`gate_record`)."""
         n = view.num_prefilled
         if budget_tokens >= n:
@@ -288,8 +288,9 @@ class CompilerKVPolicy(KVPolicy):
             protected = positions >= n - min(self.window, budget_tokens)
             if keep_from is not None:
                 protected |= positions >= keep_from
-            view.seq.policy_state.setdefault("ckv_scores", {})[layer] = dict(
-                zip(positions.tolist(), score.masked_fill(protected, float("inf")).tolist()))
+            by_position = torch.full((n,), float("inf"))
+            by_position[positions] = score.float().masked_fill(protected, float("inf"))
+            view.seq.policy_state.setdefault("ckv_scores", {})[layer] = by_position
             view.seq.policy_state.setdefault("ckv_threshold", {})[layer] = threshold
             drop = positions[~select_tokens(score, protected, threshold, budget_tokens)]
             if drop.numel():

@@ -9,11 +9,13 @@ heads of a layer, since this cache keeps or releases a token for all heads of a 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from replicas.policies.base import ScoredPolicy, attention_probs
+from replicas.kv_cache import Precision
+from replicas.policies.base import KEEP, ScoredPolicy, attention_probs
 
 
 @dataclass
@@ -39,15 +41,38 @@ class H2OPolicy(ScoredPolicy):
         scores[pos] = attention_probs(q, q_pos, k, pos)
         return scores
 
-    def decode_score(self, view, layer):
-        return 0.0  # accumulated below, from this step's query on
+    def decode_scores(self, seqs, positions, num_layers):
+        return torch.zeros(len(seqs), num_layers)  # accumulated below, from this step's query on
 
-    def observe_decode(self, view):
-        scores = view.seq.policy_state["scores"]
-        for layer, q in view.queries.items():
-            pos, k, _ = view.kv.gather(view.seq.request_id, layer)
-            scores[layer][pos] += attention_probs(q[None], torch.tensor([view.position]), k, pos)
+    def observe_decode_batch(self, seqs, kv, rows, positions, queries):
+        """Add this step's attention (summed over query heads) to every kept token's score, for
+        the batch one layer at a time: the layer's HIGH pages are gathered once for all rows (H2O
+        keeps everything at HIGH), softmax over each row's kept slots, then a scatter-add by the
+        slots' positions."""
+        table, b = self.scores(kv), kv.blocks
+        high, bs = Precision.HIGH, kv.cfg.block_size
+        pool = kv.pools[high]
+        for layer, q in queries.items():
+            lens = b.num_slots[high][rows, layer]                                   # [B]
+            width = int(lens.max())
+            if not width:
+                continue
+            pages = b.block_table[high][rows, layer, :-(-width // bs)].long()       # [B, P]
+            keys = pool.k[pages.to(pool.k.device)].flatten(1, 2)[:, :width].float()  # [B, T, Hkv, D]
+            hq, hkv = q.shape[1], keys.shape[2]
+            keys = keys.repeat_interleave(hq // hkv, dim=2)                         # [B, T, Hq, D]
+            scores = torch.einsum("bhd,bthd->bht", q.float(), keys) / math.sqrt(q.shape[-1])
+            valid = (torch.arange(width)[None, :] < lens[:, None]).to(scores.device)
+            probs = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(-1).sum(1).cpu()  # [B, T]
+            slot_pos = b.slot_position[high][rows, layer, :width].long()            # [B, T]
+            r = rows[:, None].expand(-1, width)
+            table[r[valid.cpu()], layer, slot_pos[valid.cpu()]] += probs[valid.cpu()]
 
     def protected(self, seq, layer, positions, num_tokens, quota_tokens):
         recent = int(quota_tokens * self.recent_ratio)
         return positions >= num_tokens - recent
+
+    def protected_scores(self, scores, positions, num_tokens, quotas):
+        recent = (quotas.double() * self.recent_ratio).floor().long()
+        mask = positions[None, :] >= (num_tokens - recent)[:, None]
+        return torch.where(mask, KEEP + positions.float()[None, :], scores)

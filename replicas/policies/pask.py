@@ -157,7 +157,9 @@ class PASKPolicy(KVPolicy):
     name = "pask"
     table_kinds = ("pask",)   # tables the cluster registry may swap in (LLMEngine.load_table)
     needs_tags = True
+    precisions = (Precision.HIGH, Precision.INT8, Precision.INT4)
     _costs: torch.Tensor | None = field(default=None, repr=False)
+    _layer_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if isinstance(self.table, PASKTable):
@@ -269,6 +271,37 @@ class PASKPolicy(KVPolicy):
             return []
         return self._actions(table, table.decode.actions_at(state["pask_k"][1]), {view.position: bucket})
 
+    def layer_actions(self, table: PASKTable, k: int) -> torch.Tensor:
+        """``[num_buckets, L]`` int64 decode-side action of every bucket in every layer at state
+        ``k`` (the table's ``[num_buckets, G]`` row spread over each group's layers; cached)."""
+        hit = self._layer_cache.get((id(table), k))
+        if hit is None or hit[0] is not table:
+            groups = torch.tensor(table.group_of_layer())
+            hit = self._layer_cache[(id(table), k)] = (table, table.decode.actions_at(k)[:, groups].contiguous())
+        return hit[1]
+
+    def decode_targets(self, seqs, kv: KVCache) -> torch.Tensor | None:
+        """The precision of each sequence's new token per layer, looked up from its parser bucket
+        (tagged when it was sampled) at the sequence's decode state: what :meth:`on_decode` would
+        demote it to, so the token is stored there directly."""
+        rows, any_row = [], False
+        for seq in seqs:
+            state = seq.policy_state
+            if "pask_k" not in state:
+                rows.append(None)
+                continue
+            table = state["pask_table"]
+            if seq.kv_budget > state["pask_budget"]:  # the budget rose: later tokens get a larger state
+                state["pask_k"][1] = max(state["pask_k"][1], table.decode.state_for(seq.kv_budget))
+            state["pask_budget"] = seq.kv_budget
+            bucket = state.get("tags", {}).get(seq.num_tokens - 1)
+            rows.append(None if bucket is None else self.layer_actions(table, state["pask_k"][1])[bucket])
+            any_row |= bucket is not None
+        if not any_row:
+            return None
+        high = torch.full((kv.cfg.num_layers,), int(Precision.HIGH), dtype=torch.int64)
+        return torch.stack([high if r is None else r for r in rows])
+
     def hold_budget(self, seq, kv: KVCache, budget: float) -> None:
         """Demote above-floor cells, last upgrade first, until the sequence holds at most ``budget`` x
         full-KV bytes or both sides are at their floors. The engine calls it after applying each
@@ -312,11 +345,10 @@ class PASKPolicy(KVPolicy):
         bucket, group = side.upgrades[k].tolist()
         level = Precision(int(side.actions_at(k)[bucket, group]))
         start, end = table.layer_groups[group]
-        cell = tuple(p for p, b in positions.items() if b == bucket)
+        cell = torch.tensor([p for p, b in positions.items() if b == bucket], dtype=torch.int64)
         for layer in range(start, end):
-            kept = kv.kept(seq.request_id, layer)
-            demote = tuple(p for p in cell if p in kept and kept[p] > level)
-            if demote:
+            demote = cell[kv.precisions_at(seq.request_id, layer, cell) > int(level)]
+            if demote.numel():
                 kv.set_precision(seq.request_id, layer, demote, level)
         return True
 

@@ -27,5 +27,5 @@ class RandomPolicy(ScoredPolicy):
     def prefill_scores(self, view, layer, positions):
         return torch.rand(positions.shape[0], generator=self._gen(view.seq))
 
-    def decode_score(self, view, layer):
-        return float(torch.rand(1, generator=self._gen(view.seq)))
+    def decode_scores(self, seqs, positions, num_layers):
+        return torch.stack([torch.rand(num_layers, generator=self._gen(s)) for s in seqs])

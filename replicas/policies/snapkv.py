@@ -64,5 +64,5 @@ class SnapKVPolicy(ScoredPolicy):
         smoothed[window] = PROTECT + positions[window].float()
         return smoothed
 
-    def decode_score(self, view, layer):
-        return PROTECT + view.position
+    def decode_scores(self, seqs, positions, num_layers):
+        return (PROTECT + positions.double()).float()[:, None].expand(-1, num_layers)

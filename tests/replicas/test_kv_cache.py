@@ -9,7 +9,7 @@ from replicas.kv_cache import KVCache, KVCacheConfig, KVCacheOutOfMemory, Precis
 
 
 def cache(**kw):
-    cfg = dict(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, max_bytes=1 << 22, initial_pages=2)
+    cfg = dict(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, max_bytes=1 << 22)
     cfg.update(kw)
     return KVCache(KVCacheConfig(**cfg))
 
@@ -74,9 +74,9 @@ def test_new_tokens_keep_true_positions_after_release():
     fill(c, "a", 1, layer=0, start=10)
     pos, _, _ = c.gather("a", 0)
     assert sorted(pos.tolist()) == [1, 3, 4, 7, 8, 9, 10]
-    pool_positions = c.pools[Precision.HIGH].positions
-    kept_pages = c.seqs["a"].entries[0][Precision.HIGH].pages
-    assert sorted(pool_positions[kept_pages].flatten()[:7].tolist()) == [1, 3, 4, 7, 8, 9, 10]
+    b, row = c.blocks, c.row("a")
+    assert len(c.page_ids("a", 0, Precision.HIGH)) == 2
+    assert sorted(b.slot_position[Precision.HIGH][row, 0, :7].tolist()) == [1, 3, 4, 7, 8, 9, 10]
 
 
 def test_decode_attention_over_mixed_pools_equals_dense():
@@ -154,7 +154,8 @@ def test_append_decode_equals_per_sequence_appends_and_is_all_or_nothing():
 
 def pages_bytes(c, seq):
     """A sequence's bytes recounted from its page lists."""
-    return sum(len(e.pages) * c.page_cost(p) for layer in c.seqs[seq].entries for p, e in layer.items())
+    return sum(len(c.page_ids(seq, layer, p)) * c.page_cost(p) for layer in range(c.cfg.num_layers)
+               for p in (Precision.HIGH, Precision.INT8, Precision.INT4))
 
 
 def test_byte_counters_match_pages_under_random_operations():
@@ -194,3 +195,89 @@ def test_byte_counters_match_pages_under_random_operations():
         for s in live:
             assert c.sequence_bytes(s) == pages_bytes(c, s), (step, s)
         assert c.bytes_used == sum(c.sequence_bytes(s) for s in live)
+
+
+def recount(c, live):
+    """Check the block manager against a recount: pages disjoint and not free, slots dense,
+    positions and locations agree, bytes equal pages held."""
+    b, owned = c.blocks, []
+    for s in live:
+        row = c.row(s)
+        assert int(b.row_bytes[row]) == b.pages_held(row) == pages_bytes(c, s)
+        for layer in range(c.cfg.num_layers):
+            for p in (Precision.HIGH, Precision.INT8, Precision.INT4):
+                pages, n = c.page_ids(s, layer, p), int(b.num_slots[p][row, layer])
+                assert len(pages) == -(-n // c.cfg.block_size)
+                owned += [(p, i) for i in pages]
+                pos = b.slot_position[p][row, layer, :n].long()
+                assert (b.location[row, layer, pos] == (torch.arange(n, dtype=torch.int32) << 2 | int(p))).all()
+            kept = (b.location[row, layer] >= 0).sum()
+            assert int(kept) == c.num_kept(s, layer)
+    assert len(owned) == len(set(owned)) and all(i != 0 for _, i in owned)   # page 0: the trash page
+    for p in (Precision.HIGH, Precision.INT8, Precision.INT4):
+        free = b.free_pages[p]
+        assert len(free) == len(set(free)) and not {i for q, i in owned if q == p} & set(free)
+    assert c.bytes_used == sum(c.sequence_bytes(s) for s in live)
+
+
+def test_plan_and_block_tables_against_a_recount_under_random_operations():
+    """Decode plans with random per-layer targets, batched releases, demotions, per-layer appends
+    and frees (as preemption does) in random order: after each, the block tables, slot positions
+    and bytes match a recount, every kept entry holds the data written for its position (HIGH
+    exactly), and the plan's tables list each row's pages in slot order."""
+    rng = torch.Generator().manual_seed(5)
+    c = cache(max_bytes=1 << 24)
+    live, data, made = [], {}, 0
+
+    def rand(n):
+        return int(torch.randint(0, n, (1,), generator=rng))
+    for step in range(300):
+        op = rand(5)
+        if op == 0 or not live:
+            made += 1
+            sid = f"s{made}"
+            c.add_sequence(sid)
+            k, v = fill(c, sid, 1 + rand(12))
+            live.append(sid)
+            for layer in range(2):
+                data.update({(sid, layer, p): k[p] for p in range(k.shape[0])})
+        elif op == 1:
+            pos = torch.tensor([int(c.blocks.next_position[c.row(s)].max()) for s in live])
+            targets = torch.randint(0, 4, (len(live), 2), generator=rng)
+            plan = c.plan_decode(live, pos, targets)
+            k, v = torch.randn(len(live), 2, 8), torch.randn(len(live), 2, 8)
+            for layer in range(2):
+                c.store(plan, layer, k, v)
+                for i, s in enumerate(live):
+                    if targets[i, layer] != 0:
+                        data[(s, layer, int(pos[i]))] = k[i]
+            for p, table in plan.block_tables.items():
+                for i, s in enumerate(live):
+                    for layer in range(2):
+                        pages = c.page_ids(s, layer, p)
+                        assert table[layer, i, :len(pages)].tolist() == pages
+        elif op == 2:
+            pairs = [(s, layer) for s in live for layer in range(2) if c.num_kept(s, layer)]
+            if pairs:
+                chosen = pairs[:: 1 + rand(3)]
+                pos = [int(c.kept_positions(s, layer)[rand(c.num_kept(s, layer))]) for s, layer in chosen]
+                c.release_one(torch.tensor([c.row(s) for s, _ in chosen]), torch.tensor([l for _, l in chosen]),
+                              torch.tensor(pos))
+        elif op == 3:
+            s, layer = live[rand(len(live))], rand(2)
+            kept = c.kept_positions(s, layer).tolist()
+            c.set_precision(s, layer, [p for p in kept if rand(3) == 0], (Precision.RELEASED, Precision.INT8, Precision.INT4)[rand(3)])
+        else:
+            c.free_sequence(live.pop(rand(len(live))))
+        recount(c, live)
+        for s in live:
+            for layer in range(2):
+                pos, gk, _ = c.gather(s, layer)
+                kept = c.kept(s, layer)
+                assert sorted(pos.tolist()) == sorted(kept)
+                for p, key in zip(pos.tolist(), gk):
+                    want = data[(s, layer, p)]
+                    if kept[p] == Precision.HIGH:
+                        assert torch.equal(key, want)
+                    else:
+                        assert (key - want).abs().max() <= want.abs().max() / (7 if kept[p] == Precision.INT4 else 127) + 1e-5

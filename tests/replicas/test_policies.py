@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from replicas.errors import InvalidRequestError
-from replicas.kv_cache import KVCache, KVCacheConfig
+from replicas.kv_cache import KVCache, KVCacheConfig, Precision
 from replicas.policies import (BASELINES, H2OPolicy, PyramidKVPolicy, RandomPolicy, RecencyPolicy,
                                SnapKVPolicy, StreamingLLMPolicy, make_policy)
 from replicas.policy import DecodeView, PrefillView
@@ -244,3 +244,30 @@ def test_prefill_tokens_bad_settings_refused():
     with pytest.raises(ValueError, match="needs 4 tokens per layer"):
         StreamingLLMPolicy(prefill_tokens=2).check(N, 1.0, kv)
     StreamingLLMPolicy(prefill_tokens=2).check(2, 1.0, kv)  # a prompt within B is never compressed
+
+
+def test_h2o_batched_observation_equals_per_sequence_attention():
+    """H2O's decode step adds, for the whole batch at once, what ``attention_probs`` gives one
+    sequence at a time over its kept keys (holes from releases included)."""
+    from replicas.policies.base import attention_probs
+    torch.manual_seed(2)
+    kv = KVCache(KVCacheConfig(num_layers=2, num_kv_heads=1, head_dim=D, block_size=4, max_bytes=1 << 22))
+    policy, seqs = H2OPolicy(), []
+    for i, n in enumerate((9, 14, 5)):
+        seq = Sequence(f"s{i}", list(range(n)), SamplingParams())
+        kv.add_sequence(seq.request_id)
+        for layer in range(2):
+            kv.append(seq.request_id, layer, range(n), torch.randn(n, 1, D), torch.randn(n, 1, D))
+        kv.set_precision(seq.request_id, 1, [0, 3], Precision.RELEASED)
+        seqs.append(seq)
+    rows = torch.tensor([kv.row(s.request_id) for s in seqs])
+    positions = torch.tensor([s.num_tokens - 1 for s in seqs])
+    queries = {layer: torch.randn(3, 2, D) for layer in range(2)}
+    table = policy.scores(kv)
+    table[rows] = 0.0
+    policy.observe_decode_batch(seqs, kv, rows, positions, queries)
+    for i, seq in enumerate(seqs):
+        for layer in range(2):
+            pos, k, _ = kv.gather(seq.request_id, layer)
+            want = attention_probs(queries[layer][i][None], positions[i:i + 1], k, pos)
+            torch.testing.assert_close(table[rows[i], layer, pos], want)

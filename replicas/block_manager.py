@@ -1,0 +1,317 @@
+"""Host-side accounting of the paged KV cache: pages, bytes, slots and positions, no KV data.
+
+The KV data lives in device pools allocated once (``replicas.kv_cache.KVPools``); this module
+decides which page and slot every entry occupies. Each (sequence, layer, precision) keeps its
+entries in dense slots ``0 .. n - 1`` over its page list; removing an entry moves the last one
+into its place (attention does not depend on slot order: keys are stored after RoPE), so a page
+returns to its pool as soon as it empties and bytes held always equal pages held.
+
+Everything is an array indexed by a sequence's *row* (``0 .. max_num_seqs - 1``), so a decode step
+updates the whole batch with a few tensor operations instead of a Python loop over sequences x
+layers (vLLM v1's block tables, nano-vllm's ``BlockManager``):
+
+====================  ============================  ===========================================
+name                  shape, dtype                  meaning
+====================  ============================  ===========================================
+``block_table[p]``    [R, L, max_pages] int32       page ids of (row, layer) in precision p
+``num_slots[p]``      [R, L] int64                  entries kept in precision p
+``num_pages[p]``      [R, L] int64                  pages held in precision p
+``slot_position[p]``  [R, L, max_pages * bs] int32  token position held by each slot
+``location``          [R, L, max_model_len] int32   ``slot << 2 | precision`` of each position,
+                                                    -1 where the position is not kept
+``next_position``     [R, L] int64                  positions only grow: released ones never return
+``row_bytes``         [R] int64                     bytes held per row (pages + block-table entries)
+====================  ============================  ===========================================
+
+Page 0 of every pool is never handed out: it is the *trash* page that batched stores of entries
+that belong to another pool (or to none) write into, so a store has a fixed shape.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from replicas.precision import BITS, Precision
+
+TRASH_PAGE = 0
+
+
+class KVCacheOutOfMemory(RuntimeError):
+    """The KV pool budget cannot hold the requested pages (the scheduler preempts on this)."""
+
+
+def loc_of(slot: torch.Tensor, precision) -> torch.Tensor:
+    """Packed ``slot << 2 | precision`` (int32)."""
+    return (slot.to(torch.int32) << 2) | int(precision)
+
+
+class BlockManager:
+    """Pages, slots and bytes of every (sequence row, layer, precision); see the module table.
+
+    Args:
+        num_layers, block_size, max_num_seqs (rows), max_model_len (positions per row).
+        page_costs: bytes of one page (plus its block-table entry) per precision.
+        capacities: pages of each pool, the trash page included.
+        max_bytes: budget over all pools.
+    """
+
+    def __init__(self, num_layers: int, block_size: int, max_num_seqs: int, max_model_len: int,
+                 page_costs: dict[Precision, int], capacities: dict[Precision, int], max_bytes: int):
+        self.num_layers, self.block_size, self.max_bytes = num_layers, block_size, max_bytes
+        self.max_model_len = max_model_len
+        self.max_pages = math.ceil(max_model_len / block_size)
+        self.page_costs = page_costs
+        r, l, mp = max_num_seqs, num_layers, self.max_pages
+        self.block_table = {p: torch.zeros(r, l, mp, dtype=torch.int32) for p in BITS}
+        self.num_slots = {p: torch.zeros(r, l, dtype=torch.int64) for p in BITS}
+        self.num_pages = {p: torch.zeros(r, l, dtype=torch.int64) for p in BITS}
+        self.slot_position = {p: torch.zeros(r, l, mp * block_size, dtype=torch.int32) for p in BITS}
+        self.location = torch.full((r, l, max_model_len), -1, dtype=torch.int32)
+        self.next_position = torch.zeros(r, l, dtype=torch.int64)
+        self.row_bytes = torch.zeros(r, dtype=torch.int64)
+        self.bytes_used = 0
+        # Free pages, lowest id on top (pop() from the end); page 0 is the trash page.
+        self.free_pages = {p: list(range(capacities[p] - 1, TRASH_PAGE, -1)) for p in BITS}
+        self.rows: dict[object, int] = {}
+        self.free_rows = list(range(r - 1, -1, -1))
+
+    # ------------------------------------------------------------------ rows
+    def add(self, seq_id) -> int:
+        """Give ``seq_id`` an empty row.
+
+        Raises:
+            ValueError: the sequence already has a row, or every row is taken.
+        """
+        if seq_id in self.rows:
+            raise ValueError(f"sequence {seq_id!r} already has a KV cache")
+        if not self.free_rows:
+            raise ValueError(f"the KV cache holds at most {len(self.rows)} sequences (max_num_seqs)")
+        row = self.rows[seq_id] = self.free_rows.pop()
+        self.location[row] = -1
+        self.next_position[row] = 0
+        for p in BITS:
+            self.num_slots[p][row] = 0
+        return row
+
+    def free(self, seq_id) -> None:
+        """Return every page of ``seq_id`` to its pool and its row (no-op for an unknown id)."""
+        row = self.rows.pop(seq_id, None)
+        if row is None:
+            return
+        for p in BITS:
+            counts = self.num_pages[p][row]
+            if int(counts.sum()):
+                mask = torch.arange(self.max_pages)[None, :] < counts[:, None]
+                self.free_pages[p].extend(self.block_table[p][row][mask].tolist())
+            counts.zero_()
+            self.num_slots[p][row] = 0
+        self.bytes_used -= int(self.row_bytes[row])
+        self.row_bytes[row] = 0
+        self.free_rows.append(row)
+
+    # ------------------------------------------------------------------ pages
+    @property
+    def bytes_free(self) -> int:
+        return self.max_bytes - self.bytes_used
+
+    def _take(self, p: Precision, n: int) -> list[int]:
+        free = self.free_pages[p]
+        if n > len(free):
+            raise KVCacheOutOfMemory(f"the {p.name} pool has {len(free)} free pages, {n} needed")
+        ids = free[len(free) - n:][::-1]     # the order of n pops
+        del free[len(free) - n:]
+        return ids
+
+    def check_fits(self, cost: int, what: str) -> None:
+        if cost > self.bytes_free:
+            raise KVCacheOutOfMemory(f"KV pool budget exhausted: need {cost} bytes for {what}, "
+                                     f"{self.bytes_free} free of {self.max_bytes}")
+
+    def reserve(self, row: int, layer: int, p: Precision, num_slots: int) -> list[int]:
+        """Pages so that (row, layer, p) can hold ``num_slots`` entries; returns the new page ids.
+
+        Raises:
+            KVCacheOutOfMemory: the budget cannot hold them (nothing changes).
+        """
+        have = int(self.num_pages[p][row, layer])
+        need = math.ceil(num_slots / self.block_size) - have
+        if need <= 0:
+            return []
+        if have + need > self.max_pages:
+            raise ValueError(f"row {row}, layer {layer}: {num_slots} entries exceed max_model_len "
+                             f"{self.max_model_len}")
+        self.check_fits(need * self.page_costs[p], f"{need} {p.name} pages")
+        ids = self._take(p, need)
+        self.block_table[p][row, layer, have:have + need] = torch.tensor(ids, dtype=torch.int32)
+        self.num_pages[p][row, layer] = have + need
+        self._charge(row, need * self.page_costs[p])
+        return ids
+
+    def _charge(self, row: int, nbytes: int) -> None:
+        self.row_bytes[row] += nbytes
+        self.bytes_used += nbytes
+
+    def flat_slots(self, row: int, layer: int, p: Precision, slots: torch.Tensor) -> torch.Tensor:
+        """Pool-flat indices (``page * block_size + offset``) of ``slots [n]`` (int64)."""
+        bs = self.block_size
+        pages = self.block_table[p][row, layer].long()[slots // bs]
+        return pages * bs + slots % bs
+
+    # ------------------------------------------------------------------ one (row, layer)
+    def append(self, row: int, layer: int, p: Precision, positions: torch.Tensor) -> torch.Tensor:
+        """Place new entries at ``positions [n]`` (int64, new to this layer) after the last slot of
+        (row, layer, p); returns their pool-flat slots (int64). Reserves pages first.
+
+        Raises:
+            KVCacheOutOfMemory: nothing changes.
+        """
+        start = int(self.num_slots[p][row, layer])
+        n = positions.shape[0]
+        self.reserve(row, layer, p, start + n)
+        slots = torch.arange(start, start + n)
+        self.slot_position[p][row, layer, start:start + n] = positions.to(torch.int32)
+        self.location[row, layer, positions] = loc_of(slots, p)
+        self.num_slots[p][row, layer] = start + n
+        return self.flat_slots(row, layer, p, slots)
+
+    def remove(self, row: int, layer: int, p: Precision, slots: torch.Tensor):
+        """Swap-remove ``slots`` of (row, layer, p): the last kept entries fill the holes (holes
+        ascending, movers ascending); frees emptied pages. Returns ``(dst, src)`` pool-flat
+        indices of the data to move (``pool[dst] = pool[src]``)."""
+        n = int(self.num_slots[p][row, layer])
+        drop = torch.zeros(n, dtype=torch.bool)
+        drop[slots] = True
+        keep_n = n - int(drop.sum())
+        pos_of = self.slot_position[p][row, layer]
+        self.location[row, layer, pos_of[:n][drop].long()] = -1
+        holes = drop[:keep_n].nonzero().flatten()
+        movers = (~drop[keep_n:]).nonzero().flatten() + keep_n
+        dst = self.flat_slots(row, layer, p, holes)
+        src = self.flat_slots(row, layer, p, movers)
+        if holes.numel():
+            pos_of[holes] = pos_of[movers]
+            self.location[row, layer, pos_of[holes].long()] = loc_of(holes, p)
+        self.num_slots[p][row, layer] = keep_n
+        self._release_pages(row, layer, p, math.ceil(keep_n / self.block_size))
+        return dst, src
+
+    def _release_pages(self, row: int, layer: int, p: Precision, keep_pages: int) -> None:
+        have = int(self.num_pages[p][row, layer])
+        if have > keep_pages:
+            self.free_pages[p].extend(self.block_table[p][row, layer, keep_pages:have].tolist())
+            self.num_pages[p][row, layer] = keep_pages
+            self._charge(row, -(have - keep_pages) * self.page_costs[p])
+
+    # ------------------------------------------------------------------ a batch
+    def append_batch(self, rows: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor | None):
+        """Place one new token per row in every layer, in the pool its target names (a decode step).
+
+        Args:
+            rows: ``[B]`` int64 rows; positions: ``[B]`` int64, each above its row's last position.
+            targets: ``[B, L]`` int64 Precision values (RELEASED: not stored), or None for all HIGH.
+        Returns ``{precision: [L, B] int64 pool-flat slots}`` for each pool that stores any entry
+        (entries bound elsewhere point at the trash page's slot 0).
+
+        Raises:
+            ValueError: a position not above its row's last one, or past ``max_model_len``.
+            KVCacheOutOfMemory: the new pages do not fit (nothing changes).
+        """
+        b, L, bs = rows.shape[0], self.num_layers, self.block_size
+        if bool((positions[:, None] < self.next_position[rows]).any()):
+            bad = int((positions[:, None] < self.next_position[rows]).any(1).nonzero()[0])
+            raise ValueError(f"row {int(rows[bad])}: positions must be new and at least "
+                             f"{int(self.next_position[rows[bad]].max())}, got {int(positions[bad])}")
+        if bool((positions >= self.max_model_len).any()):
+            raise ValueError(f"positions past max_model_len {self.max_model_len}: {positions.tolist()[:8]}")
+        pools = [(Precision.HIGH, None)] if targets is None else [
+            (p, targets == int(p)) for p in BITS if bool((targets == int(p)).any())]
+        plans, cost = [], 0
+        for p, mask in pools:
+            slot = self.num_slots[p][rows]                                   # [B, L]
+            if mask is None:
+                bi, li = torch.arange(b).repeat_interleave(L), torch.arange(L).repeat(b)
+            else:
+                bi, li = mask.nonzero(as_tuple=True)
+            slot = slot[bi, li]
+            opens = slot % bs == 0
+            num_new = int(opens.sum())
+            cost += num_new * self.page_costs[p]
+            plans.append((p, bi, li, slot, opens, num_new))
+        self.check_fits(cost, "a decode step's pages")
+        out = {}
+        for p, bi, li, slot, opens, num_new in plans:
+            r = rows[bi]
+            if num_new:
+                ids = torch.tensor(self._take(p, num_new), dtype=torch.int32)
+                ro, lo = r[opens], li[opens]
+                self.block_table[p][ro, lo, slot[opens] // bs] = ids
+                self.num_pages[p][ro, lo] += 1
+                self.row_bytes.index_add_(0, ro, torch.full_like(ro, self.page_costs[p]))
+                self.bytes_used += num_new * self.page_costs[p]
+            flat = self.block_table[p][r, li, slot // bs].long() * bs + slot % bs
+            pos = positions[bi]
+            self.slot_position[p][r, li, slot] = pos.to(torch.int32)
+            self.location[r, li, pos] = loc_of(slot, p)
+            self.num_slots[p][r, li] += 1
+            mapping = torch.zeros(L, b, dtype=torch.int64)                   # trash slot 0
+            mapping[li, bi] = flat
+            out[p] = mapping
+        self.next_position[rows] = (positions + 1)[:, None]
+        return out
+
+    def release_one(self, rows: torch.Tensor, layers: torch.Tensor, positions: torch.Tensor):
+        """Release one kept entry per (row, layer) pair (pairs distinct) by swap-remove, as
+        :meth:`remove` would one pair at a time. Returns ``{precision: (dst, src)}`` pool-flat
+        indices of the data to move."""
+        loc = self.location[rows, layers, positions]
+        if bool((loc < 0).any()):
+            raise ValueError("release_one: a position is not kept")
+        self.location[rows, layers, positions] = -1
+        prec, slot = loc & 3, (loc >> 2).long()
+        out, bs = {}, self.block_size
+        for p in BITS:
+            m = prec == int(p)
+            if not bool(m.any()):
+                continue
+            r, l, hole = rows[m], layers[m], slot[m]
+            last = self.num_slots[p][r, l] - 1
+            move = hole != last
+            table = self.block_table[p]
+            dst = table[r[move], l[move], hole[move] // bs].long() * bs + hole[move] % bs
+            src = table[r[move], l[move], last[move] // bs].long() * bs + last[move] % bs
+            moved_pos = self.slot_position[p][r[move], l[move], last[move]]
+            self.slot_position[p][r[move], l[move], hole[move]] = moved_pos
+            self.location[r[move], l[move], moved_pos.long()] = loc_of(hole[move], p)
+            self.num_slots[p][r, l] = last
+            empty = last % bs == 0                                            # the last page emptied
+            if bool(empty.any()):
+                re, le = r[empty], l[empty]
+                self.free_pages[p].extend(table[re, le, last[empty] // bs].tolist())
+                self.num_pages[p][re, le] -= 1
+                self.row_bytes.index_add_(0, re, torch.full_like(re, -self.page_costs[p]))
+                self.bytes_used -= int(empty.sum()) * self.page_costs[p]
+            out[p] = (dst, src)
+        return out
+
+    # ------------------------------------------------------------------ reads
+    def kept_counts(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[B, L]`` entries kept per (row, layer), all precisions."""
+        return sum(self.num_slots[p][rows] for p in BITS)
+
+    def next_token_bytes(self, rows: torch.Tensor) -> int:
+        """Bytes the next decode token of ``rows`` may need in all: a HIGH page in each layer whose
+        HIGH pages are full, and a LOW (INT8-sized) page in each layer with a full LOW pool, where
+        a policy may store or demote into."""
+        if rows.numel() == 0:
+            return 0
+        bs = self.block_size
+        high = int((self.num_slots[Precision.HIGH][rows] % bs == 0).sum())
+        low = int(((self.num_slots[Precision.INT8][rows] % bs == 0) |
+                   (self.num_slots[Precision.INT4][rows] % bs == 0)).sum())
+        return high * self.page_costs[Precision.HIGH] + low * self.page_costs[Precision.INT8]
+
+    def pages_held(self, row: int) -> int:
+        """Bytes of a row recounted from its page counts (a check of ``row_bytes``)."""
+        return sum(int(self.num_pages[p][row].sum()) * self.page_costs[p] for p in BITS)
