@@ -12,7 +12,7 @@ import os
 import torch
 
 from kernels.decode_attention import (merge_attention_states, paged_decode_attention_ref,
-                                      paged_decode_attention_triton)
+                                      paged_decode_attention_static, paged_decode_attention_triton)
 from kernels.quantize import dequantize_ref, quantize_ref, quantize_store_ref, quantize_store_triton
 from kernels import decode_attention as _da
 
@@ -45,14 +45,17 @@ def quantize_store(x, data, scale, slots, bits: int) -> None:
 
 
 def paged_decode_attention(q, k, v, k_scale, v_scale, block_table, lens, bits: int,
-                           sm_scale: float | None = None, need_lse: bool = True):
+                           sm_scale: float | None = None, need_lse: bool = True, static: bool = False):
     """Decode attention over paged KV (Triton on CUDA, the torch reference elsewhere); see
     :func:`kernels.decode_attention.paged_decode_attention_ref` for shapes. Returns ``(out, lse)``;
-    ``lse`` may be None when ``need_lse`` is False."""
-    return get_kernel("paged_decode_attention", q.device)(q, k, v, k_scale, v_scale, block_table,
-                                                          lens, bits, sm_scale, need_lse=need_lse)
+    ``lse`` may be None when ``need_lse`` is False. ``static``: where the reference runs, the
+    graph-capturable one (:func:`kernels.decode_attention.paged_decode_attention_static`)."""
+    impl = get_kernel("paged_decode_attention", q.device)
+    if static and impl is paged_decode_attention_ref:
+        impl = paged_decode_attention_static
+    return impl(q, k, v, k_scale, v_scale, block_table, lens, bits, sm_scale, need_lse=need_lse)
 
 
 __all__ = ["dequantize_ref", "get_kernel", "merge_attention_states", "paged_decode_attention",
-           "paged_decode_attention_ref", "paged_decode_attention_triton", "quantize_ref",
+           "paged_decode_attention_ref", "paged_decode_attention_static", "paged_decode_attention_triton", "quantize_ref",
            "quantize_store", "quantize_store_ref", "quantize_store_triton", "use_triton"]

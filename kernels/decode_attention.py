@@ -154,6 +154,36 @@ def _attend_chunk(qg, k, v, k_scale, v_scale, block_table, lens, lens_list, max_
     return out, lse
 
 
+def paged_decode_attention_static(q, k, v, k_scale, v_scale, block_table, lens, bits: int,
+                                  sm_scale: float | None = None, need_lse: bool = True):
+    """Graph-capturable reference (same contract as :func:`paged_decode_attention_ref`): no
+    shape or value is read back to the host, so ``torch.compile(fullgraph=True)`` and CUDA graphs
+    capture it. It gathers the whole block table's width (a batch bucket's static shape) and masks
+    past each row's length; the chunked reference is faster in eager mode on the CPU."""
+    b, hq, d = q.shape
+    hkv, bs = k.shape[2], k.shape[1]
+    g = hq // hkv
+    sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
+    pages = block_table.long()                                                  # [B, P]
+    width = pages.shape[1] * bs
+
+    def gather(pool, scale):
+        x = pool[pages].flatten(1, 2)                                           # [B, P*bs, Hkv, Dk]
+        if bits:
+            x = dequantize_ref(x, scale[pages].flatten(1, 2), bits)
+        return x.float()
+
+    keys, values = gather(k, k_scale), gather(v, v_scale)
+    qg = q.float().view(b, hkv, g, d)
+    scores = torch.einsum("bhgd,bthd->bhgt", qg, keys) * sm_scale               # [B, Hkv, G, T]
+    valid = torch.arange(width, device=q.device)[None, :] < lens.to(q.device).long()[:, None]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)                                       # [B, Hkv, G]
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    out = torch.einsum("bhgt,bthd->bhgd", probs, values).reshape(b, hq, d)
+    return out, (lse.reshape(b, hq) if need_lse else None)
+
+
 def merge_attention_states(outs, lses, return_lse: bool = False):
     """Merge partial attention results over disjoint key sets.
 

@@ -369,6 +369,7 @@ class GrammarCompiler:
         self._cached_bytes = 0
         self._lock = threading.Lock()
         self._proc = self._conn = None
+        self._bitmask = self._batch = None   # the reused batch bitmask and xgrammar batch matcher
         if not isolate:
             self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads)
             self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
@@ -491,8 +492,12 @@ class GrammarCompiler:
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return
-        bitmask = self.xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
-        for i in rows:
-            matchers[i].fill_next_token_bitmask(bitmask, i)
-        index = rows if len(rows) < len(matchers) else None
+        n = len(matchers)
+        if self._bitmask is None or self._bitmask.shape[0] < n:   # one buffer, reused every step
+            self._bitmask = self.xgr.allocate_token_bitmask(max(n, 8), self.vocab_size)
+            self._batch = self.xgr.BatchGrammarMatcher()
+        bitmask = self._bitmask[:n]
+        # xgrammar's batch API: the rows are filled in one call (on its thread pool).
+        self._batch.batch_fill_next_token_bitmask([matchers[i] for i in rows], bitmask, indices=rows)
+        index = rows if len(rows) < n else None
         self.xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=index)

@@ -127,6 +127,8 @@ class DecodePlan:
             attends to its own key and value at full precision (they are in hand), as it would
             have before being demoted, and is stored quantized (or not at all) for later steps.
         any_self: per layer, whether any row is in ``self_rows``.
+        capturable: attend with the graph-capturable kernel where the reference runs (no value read
+            back to the host; ``torch.compile(fullgraph=True)`` / CUDA graphs).
     """
     rows: torch.Tensor
     slot_mapping: dict[Precision, torch.Tensor]
@@ -135,6 +137,7 @@ class DecodePlan:
     active: dict[Precision, list[bool]] = field(default_factory=dict)
     self_rows: torch.Tensor | None = None
     any_self: list[bool] | None = None
+    capturable: bool = False
 
 
 class KVCache:
@@ -409,7 +412,8 @@ class KVCache:
             pool = self.pools[p]
             out, lse = kernels.paged_decode_attention(
                 q, pool.k, pool.v, pool.k_scale, pool.v_scale, plan.block_tables[p][layer],
-                plan.context_lens[p][layer], pool.bits, sm_scale, need_lse=len(pools) + with_self > 1)
+                plan.context_lens[p][layer], pool.bits, sm_scale, need_lse=len(pools) + with_self > 1,
+                static=plan.capturable)
             outs.append(out)
             lses.append(lse)
         if with_self:   # one key each: the output is the value, the log-sum-exp the scaled score

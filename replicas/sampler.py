@@ -40,7 +40,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generato
     Greedy rows take the argmax (after penalties); others sample from softmax(logits / T)
     restricted to the ``top_k`` most likely tokens, then to the smallest set whose mass reaches
     ``top_p``, then to the tokens at least ``min_p`` times as likely as the most likely one (never
-    fewer than the most likely one), with the request's own generator when it gave a seed, else
+    fewer than the most likely one). The sampling rows are processed together, each setting a
+    per-row tensor (a row's filter is applied only where it asks for it); rows with a request
+    seed draw from their own generator, the others in one ``multinomial`` call from
     ``generator``. A temperature so small that ``logits / T`` overflows samples greedily.
     """
     for i, seq in enumerate(seqs):
@@ -49,23 +51,37 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generato
             apply_penalties(logits[i], seq)
             logits[i].masked_fill_(masked | torch.isnan(logits[i]), float("-inf"))  # never unmask
     out = logits.argmax(dim=-1).tolist()
-    for i, seq in enumerate(seqs):
-        p = seq.params
-        if p.greedy:
-            continue
-        probs = torch.softmax(logits[i] / p.temperature, dim=-1)
-        if not bool(torch.isfinite(probs).all()):
-            continue  # the argmax already there
-        if p.top_k > 0 and p.top_k < probs.shape[-1]:
-            kth = probs.topk(p.top_k).values[-1]
-            probs = torch.where(probs >= kth, probs, 0.0)   # ties at the k-th value are kept
-        if p.top_p < 1.0:
-            sorted_p, order = probs.sort(descending=True)
-            keep = sorted_p.cumsum(0) - sorted_p < p.top_p * sorted_p.sum()
-            keep[0] = True  # a top_p under float32's resolution (1e-237 is 0 there) keeps the top token
-            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-        if p.min_p > 0.0:
-            probs = torch.where(probs >= p.min_p * probs.max(), probs, 0.0)
-        gen = seq.generator or generator
-        out[i] = int(torch.multinomial(probs.cpu(), 1, generator=gen).item())
+    rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+    if not rows:
+        return out
+    params = [seqs[i].params for i in rows]
+    vocab = logits.shape[-1]
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    probs = torch.softmax(logits[rows] / temps[:, None], dim=-1)                    # [n, V]
+    finite = torch.isfinite(probs).all(dim=-1).tolist()
+    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(ks):
+        k = torch.tensor([x or vocab for x in ks], device=probs.device)
+        kth = probs.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+        on = torch.tensor([x > 0 for x in ks], device=probs.device)[:, None]
+        probs = torch.where(on & (probs < kth), 0.0, probs)     # ties at the k-th value are kept
+    tops = [p.top_p for p in params]
+    if any(t < 1.0 for t in tops):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        top_p = torch.tensor(tops, dtype=probs.dtype, device=probs.device)[:, None]
+        keep = (sorted_p.cumsum(-1) - sorted_p < top_p * sorted_p.sum(-1, keepdim=True)) | (top_p >= 1.0)
+        keep[:, 0] = True  # a top_p under float32's resolution (1e-237 is 0 there) keeps the top token
+        probs = torch.zeros_like(probs).scatter_(1, order, torch.where(keep, sorted_p, 0.0))
+    min_ps = [p.min_p for p in params]
+    if any(m > 0.0 for m in min_ps):
+        min_p = torch.tensor(min_ps, dtype=probs.dtype, device=probs.device)[:, None]
+        probs = torch.where(probs >= min_p * probs.amax(-1, keepdim=True), probs, 0.0)
+    probs = probs.cpu()
+    shared = [j for j, i in enumerate(rows) if finite[j] and seqs[i].generator is None]
+    if shared:
+        for j, t in zip(shared, torch.multinomial(probs[shared], 1, generator=generator)[:, 0].tolist()):
+            out[rows[j]] = t
+    for j, i in enumerate(rows):
+        if finite[j] and seqs[i].generator is not None:
+            out[i] = int(torch.multinomial(probs[j], 1, generator=seqs[i].generator).item())
     return out
