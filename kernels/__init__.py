@@ -12,7 +12,8 @@ import os
 import torch
 
 from kernels.decode_attention import (merge_attention_states, paged_decode_attention_ref,
-                                      paged_decode_attention_static, paged_decode_attention_triton)
+                                      paged_decode_attention_pools_ref, paged_decode_attention_static,
+                                      paged_decode_attention_triton)
 from kernels.quantize import dequantize_ref, quantize_ref, quantize_store_ref, quantize_store_triton
 from kernels import decode_attention as _da
 
@@ -57,5 +58,5 @@ def paged_decode_attention(q, k, v, k_scale, v_scale, block_table, lens, bits: i
 
 
 __all__ = ["dequantize_ref", "get_kernel", "merge_attention_states", "paged_decode_attention",
-           "paged_decode_attention_ref", "paged_decode_attention_static", "paged_decode_attention_triton", "quantize_ref",
+           "paged_decode_attention_pools_ref", "paged_decode_attention_ref", "paged_decode_attention_static", "paged_decode_attention_triton", "quantize_ref",
            "quantize_store", "quantize_store_ref", "quantize_store_triton", "use_triton"]

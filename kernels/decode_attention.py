@@ -184,6 +184,51 @@ def paged_decode_attention_static(q, k, v, k_scale, v_scale, block_table, lens, 
     return out, (lse.reshape(b, hq) if need_lse else None)
 
 
+def paged_decode_attention_pools_ref(q, pools, extra_kv=None, sm_scale: float | None = None):
+    """Decode attention over several pools at once (plain torch, for the CPU): each pool's kept
+    pages are gathered and dequantized, concatenated along the token axis, and attended in one
+    masked SDPA call, instead of one call per pool merged by log-sum-exp.
+
+    Args:
+        q: ``[B, Hq, D]``.
+        pools: tuples ``(k, v, k_scale, v_scale, block_table, lens, bits)`` as in
+            :func:`paged_decode_attention_ref`.
+        extra_kv: optional ``(k [B, Hkv, D], v [B, Hkv, D], mask [B] bool)``: one more key per
+            row where ``mask`` (a new token attending to itself at full precision).
+    Returns ``[B, Hq, D]`` float32 (zeros for a row with no key).
+    """
+    b, hq, d = q.shape
+    sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
+    keys, values, masks = [], [], []
+    for k, v, k_scale, v_scale, block_table, lens, bits in pools:
+        _check(q, k, v, k_scale, v_scale, block_table, lens, bits)
+        bs = k.shape[1]
+        max_len = int(lens.max())
+        if max_len == 0:
+            continue
+        pages = block_table[:, :-(-max_len // bs)].long()
+
+        def gather(pool, scale):
+            x = pool[pages].flatten(1, 2)[:, :max_len]                           # [B, T, Hkv, Dk]
+            if bits:
+                x = dequantize_ref(x, scale[pages].flatten(1, 2)[:, :max_len], bits)
+            return x.float()
+        keys.append(gather(k, k_scale))
+        values.append(gather(v, v_scale))
+        masks.append(torch.arange(max_len, device=q.device)[None, :] < lens.to(q.device)[:, None])
+    if extra_kv is not None:
+        ek, ev, emask = extra_kv
+        keys.append(ek.float()[:, None])
+        values.append(ev.float()[:, None])
+        masks.append(emask.to(q.device)[:, None])
+    if not keys:
+        return torch.zeros(b, hq, d, dtype=torch.float32, device=q.device)
+    keys, values, mask = torch.cat(keys, 1), torch.cat(values, 1), torch.cat(masks, 1)   # [B, T, Hkv, D]
+    out = F.scaled_dot_product_attention(q.float()[:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=mask[:, None, None, :], scale=sm_scale, enable_gqa=True)
+    return out[:, :, 0].nan_to_num_(0.0)
+
+
 def merge_attention_states(outs, lses, return_lse: bool = False):
     """Merge partial attention results over disjoint key sets.
 

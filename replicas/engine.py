@@ -76,6 +76,23 @@ def _detokenizer(tokenizer):
     return lambda ids: backend.decode(ids, skip_special_tokens=True)
 
 
+class TokenText(dict):
+    """Token id -> its text with special tokens spelled out (what ``tokenizer.decode([id])``
+    gives), decoded once per id: the structural tagger reads every generated token's text."""
+
+    def __init__(self, tokenizer):
+        super().__init__()
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            self._decode = lambda t: backend.decode([t], skip_special_tokens=False)
+        else:
+            self._decode = lambda t: tokenizer.decode([t])
+
+    def __missing__(self, token: int) -> str:
+        text = self[token] = self._decode(token)
+        return text
+
+
 def _tagger_for(grammar: GrammarSpec | None) -> StructuralTagger:
     """The structural tagger matching a request's output format."""
     if grammar is not None and grammar.kind == "tools":
@@ -113,6 +130,7 @@ class LLMEngine:
         mc = self.model.config
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self._detokenize = _detokenizer(self.tokenizer)
+        self._token_text = TokenText(self.tokenizer)
         self.eos_token_ids = set(mc.eos_token_ids) | self._generation_eos(path)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
@@ -391,7 +409,7 @@ class LLMEngine:
         seq.output_token_ids.append(token)
         tagger = seq.policy_state.get("tagger")
         if tagger is not None:  # PASK: the token's structural bucket, used when its KV is stored
-            seq.policy_state.setdefault("tags", {})[seq.num_tokens - 1] = bucket_of(tagger.feed(self.tokenizer.decode([token])))
+            seq.policy_state.setdefault("tags", {})[seq.num_tokens - 1] = bucket_of(tagger.feed(self._token_text[token]))
         p = seq.params
         if seq.matcher is not None and not seq.matcher.is_terminated():
             seq.matcher.accept_token(token)
