@@ -184,10 +184,24 @@ def paged_decode_attention_static(q, k, v, k_scale, v_scale, block_table, lens, 
     return out, (lse.reshape(b, hq) if need_lse else None)
 
 
+_INT4_VALUES = None
+
+
+def _int4_table(device) -> torch.Tensor:
+    """``[256, 2]`` float32: the two signed nibbles of every byte (low nibble first)."""
+    global _INT4_VALUES
+    if _INT4_VALUES is None or _INT4_VALUES.device != device:
+        byte = torch.arange(256, device=device)
+        lo, hi = byte & 0xF, byte >> 4
+        _INT4_VALUES = torch.stack([torch.where(lo >= 8, lo - 16, lo), torch.where(hi >= 8, hi - 16, hi)], -1).float()
+    return _INT4_VALUES
+
+
 def paged_decode_attention_pools_ref(q, pools, extra_kv=None, sm_scale: float | None = None):
     """Decode attention over several pools at once (plain torch, for the CPU): each pool's kept
-    pages are gathered and dequantized, concatenated along the token axis, and attended in one
-    masked SDPA call, instead of one call per pool merged by log-sum-exp.
+    slots are gathered and dequantized straight into one reused float32 buffer (int8: one
+    multiply by the scales; int4: a 256-entry nibble table, then the scales), and the buffer is
+    attended in one masked SDPA call, instead of one call per pool merged by log-sum-exp.
 
     Args:
         q: ``[B, Hq, D]``.
@@ -199,31 +213,41 @@ def paged_decode_attention_pools_ref(q, pools, extra_kv=None, sm_scale: float | 
     """
     b, hq, d = q.shape
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
-    keys, values, masks = [], [], []
+    parts = []
     for k, v, k_scale, v_scale, block_table, lens, bits in pools:
         _check(q, k, v, k_scale, v_scale, block_table, lens, bits)
-        bs = k.shape[1]
         max_len = int(lens.max())
-        if max_len == 0:
-            continue
+        if max_len:
+            parts.append((k, v, k_scale, v_scale, block_table, lens, bits, max_len))
+    total = sum(p[-1] for p in parts) + (extra_kv is not None)
+    if not total:
+        return torch.zeros(b, hq, d, dtype=torch.float32, device=q.device)
+    hkv = parts[0][0].shape[2] if parts else extra_kv[0].shape[1]
+    keys = _workspace("pools_k", (b, total, hkv, d), torch.float32, q.device)
+    values = _workspace("pools_v", (b, total, hkv, d), torch.float32, q.device)
+    mask = torch.empty(b, total, dtype=torch.bool, device=q.device)
+    at = 0
+    for k, v, k_scale, v_scale, block_table, lens, bits, max_len in parts:
+        bs = k.shape[1]
         pages = block_table[:, :-(-max_len // bs)].long()
-
-        def gather(pool, scale):
-            x = pool[pages].flatten(1, 2)[:, :max_len]                           # [B, T, Hkv, Dk]
-            if bits:
-                x = dequantize_ref(x, scale[pages].flatten(1, 2)[:, :max_len], bits)
-            return x.float()
-        keys.append(gather(k, k_scale))
-        values.append(gather(v, v_scale))
-        masks.append(torch.arange(max_len, device=q.device)[None, :] < lens.to(q.device)[:, None])
+        slots = (pages[:, :, None] * bs + torch.arange(bs, device=q.device)).flatten(1)[:, :max_len]   # [B, T]
+        for pool, scale, out in ((k, k_scale, keys), (v, v_scale, values)):
+            dst = out[:, at:at + max_len]
+            x = pool.view(-1, *pool.shape[2:])[slots]                             # [B, T, Hkv, Dk]
+            if bits == 0:
+                dst.copy_(x)
+            elif bits == 8:
+                torch.mul(x, scale.view(-1, hkv)[slots][..., None], out=dst)
+            else:
+                x = _int4_table(q.device)[x.long()].flatten(-2)                   # [B, T, Hkv, D]
+                torch.mul(x, scale.view(-1, hkv)[slots][..., None], out=dst)
+        mask[:, at:at + max_len] = torch.arange(max_len, device=q.device)[None, :] < lens.to(q.device)[:, None]
+        at += max_len
     if extra_kv is not None:
         ek, ev, emask = extra_kv
-        keys.append(ek.float()[:, None])
-        values.append(ev.float()[:, None])
-        masks.append(emask.to(q.device)[:, None])
-    if not keys:
-        return torch.zeros(b, hq, d, dtype=torch.float32, device=q.device)
-    keys, values, mask = torch.cat(keys, 1), torch.cat(values, 1), torch.cat(masks, 1)   # [B, T, Hkv, D]
+        keys[:, at] = ek
+        values[:, at] = ev
+        mask[:, at] = emask.to(q.device)
     out = F.scaled_dot_product_attention(q.float()[:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
                                          attn_mask=mask[:, None, None, :], scale=sm_scale, enable_gqa=True)
     return out[:, :, 0].nan_to_num_(0.0)
