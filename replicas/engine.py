@@ -328,7 +328,8 @@ class LLMEngine:
     def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         rows, spec = [], self.policy.spec
         for seq in seqs:
-            logits, queries, ppl = self.runner.prefill(seq, spec.observation_window, spec.wants_window_ppl)
+            targets = self.policy.prefill_targets(seq, self.kv)
+            logits, queries, ppl = self.runner.prefill(seq, spec.observation_window, spec.wants_window_ppl, targets)
             rows.append(logits)
             view = PrefillView(seq, self.kv, seq.num_tokens, queries, seq.kv_budget, ppl)
             try:

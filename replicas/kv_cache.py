@@ -268,7 +268,8 @@ class KVCache:
         Args:
             positions: ``[n]`` true token positions (ints), none of them already stored here.
             k, v: ``[n, Hkv, D]``, keys after RoPE.
-            precision: HIGH, INT8, INT4, or RELEASED (nothing stored; the positions are used up).
+            precision: HIGH, INT8, INT4, or RELEASED (nothing stored; the positions are used up),
+                or an ``[n]`` tensor of Precision values, one per token.
 
         Raises:
             KVCacheOutOfMemory: the pool budget cannot hold the new pages (nothing is written).
@@ -291,7 +292,19 @@ class KVCache:
                              f"{low}, got {pos.tolist()[:8]}")
         if int(pos.max()) >= b.max_model_len:
             raise ValueError(f"sequence {seq_id!r}: position {int(pos.max())} past max_model_len {b.max_model_len}")
-        if precision != Precision.RELEASED:
+        if isinstance(precision, torch.Tensor):   # one precision per token
+            prec = precision.to(torch.int64).flatten()
+            need = {p: int((prec == int(p)).sum()) for p in BITS}
+            cost = sum(max(0, -(-(int(b.num_slots[p][row, layer]) + m) // self.cfg.block_size)
+                           - int(b.num_pages[p][row, layer])) * self._page_cost[p] for p, m in need.items() if m)
+            b.check_fits(cost, f"layer {layer}'s new pages")
+            for p in BITS:
+                if need[p]:
+                    m = prec == int(p)
+                    flat = b.append(row, layer, p, pos[m])
+                    self._zero_fresh(p)
+                    self._write(p, flat, k[m.to(k.device)], v[m.to(v.device)])
+        elif precision != Precision.RELEASED:
             precision = Precision(precision)
             flat = b.append(row, layer, precision, pos)
             self._zero_fresh(precision)

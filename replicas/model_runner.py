@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from replicas.kv_cache import DecodePlan, KVCache
+from replicas.kv_cache import DecodePlan, KVCache, Precision
 from replicas.models import CausalLM
 from replicas.models.llama import causal_attention
 from replicas.sequence import Sequence
@@ -18,9 +18,10 @@ class ModelRunner:
         self.model, self.kv, self.device = model, kv, device
 
     @torch.inference_mode()
-    def prefill(self, seq: Sequence, observation_window: int = 0,
-                window_ppl: bool = False) -> tuple[torch.Tensor, dict[int, torch.Tensor], float | None]:
-        """Prefill all of ``seq``'s tokens (an empty cache), store their KV at HIGH precision.
+    def prefill(self, seq: Sequence, observation_window: int = 0, window_ppl: bool = False,
+                targets: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor], float | None]:
+        """Prefill all of ``seq``'s tokens (an empty cache) and store their KV, at HIGH precision
+        or, with ``targets [n, L]`` (Precision values), each token at its target in every layer.
 
         Returns the next-token logits ``[vocab]`` float32; per layer, the queries of the last
         ``observation_window`` tokens ``[w, Hq, D]``; and, when ``window_ppl``, the perplexity of
@@ -32,7 +33,8 @@ class ModelRunner:
         queries: dict[int, torch.Tensor] = {}
 
         def attention(layer: int, q, k, v):
-            self.kv.append(seq.request_id, layer, range(n), k, v)
+            self.kv.append(seq.request_id, layer, range(n), k, v,
+                           Precision.HIGH if targets is None else targets[:, layer])
             if observation_window:
                 queries[layer] = q[-observation_window:].clone()
             return causal_attention(q, k, v)

@@ -153,6 +153,12 @@ class KVPolicy:
         engine calls the batched :meth:`decode_targets` and :meth:`decode_evictions`)."""
         return []
 
+    def prefill_targets(self, seq: Sequence, kv: KVCache) -> torch.Tensor | None:
+        """``[n, L]`` int64 Precision each prefilled token is stored at per layer, when the policy
+        knows it before the forward (PASK's prompt labels), or None: all HIGH, then
+        :meth:`on_prefill` decides from what the forward saw."""
+        return None
+
     def decode_targets(self, seqs: list[Sequence], kv: KVCache) -> torch.Tensor | None:
         """``[B, L]`` int64 Precision each new token of the batch is stored at per layer (the token
         each sequence feeds this step, at position ``num_tokens - 1``), or None: all HIGH."""

@@ -104,9 +104,9 @@ class MirroredRunner:
     def __init__(self, local, broadcaster: Broadcaster):
         self._local, self._bcast = local, broadcaster
 
-    def prefill(self, seq, observation_window: int = 0, window_ppl: bool = False):
-        self._bcast.send("prefill", seq.request_id, seq.all_token_ids, observation_window)
-        return self._local.prefill(seq, observation_window, window_ppl)
+    def prefill(self, seq, observation_window: int = 0, window_ppl: bool = False, targets=None):
+        self._bcast.send("prefill", seq.request_id, seq.all_token_ids, observation_window, targets)
+        return self._local.prefill(seq, observation_window, window_ppl, targets)
 
     def decode(self, seqs, plan, record_queries: bool = False):
         """The plan itself was built on every rank by the mirrored ``kv.plan_decode`` just before."""
@@ -143,7 +143,7 @@ def worker_main(rank: int, world_size: int, port: int, config, addr: str = "127.
             if method == "kv.plan_decode":
                 plan = result          # the step's plan, read by the "decode" that follows
         elif method == "prefill":
-            runner.prefill(_Stub(args[0], args[1]), args[2])
+            runner.prefill(_Stub(args[0], args[1]), args[2], targets=args[3])
         elif method == "decode":
             runner.decode([_Stub(rid, [tok], n) for rid, tok, n in args[0]], plan, args[1])
     dist.destroy_process_group()

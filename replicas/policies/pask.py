@@ -234,25 +234,52 @@ class PASKPolicy(KVPolicy):
                              f"budget of {budget}; raise kv_budget to at least {math.ceil(floor * 1000) / 1000}")
 
     # ------------------------------------------------------------------ hooks
-    def on_prefill(self, view: PrefillView) -> list[KVAction]:
-        seq, state = view.seq, view.seq.policy_state
-        self._check_layers(view.kv)
+    def _start(self, seq, kv: KVCache, budget: float) -> tuple[PASKTable, list[int], dict]:
+        """Set a sequence's budget state after prefill: the largest prompt state whose expected
+        fraction fits ``budget``, the decode state for ``budget``. Returns (table, labels, tags)."""
+        state = seq.policy_state
+        self._check_layers(kv)
         labels = state.get("prompt_labels") or [0] * len(seq.prompt_token_ids)
         tags = state.setdefault("tags", {})
-        prompt_len = len(seq.prompt_token_ids)
         counts = torch.bincount(torch.tensor(labels, dtype=torch.long), minlength=NUM_PROMPT_BUCKETS)
         table = state["pask_table"] = self.table   # a later table swap does not touch this sequence
         prompt = table.prompt
         k = 0
         for cand in range(prompt.num_upgrades, -1, -1):
-            if expected_fraction(counts, prompt.actions_at(cand), self._group_sizes, self._costs) <= view.budget:
+            if expected_fraction(counts, prompt.actions_at(cand), self._group_sizes, self._costs) <= budget:
                 k = cand
                 break
-        state["pask_k"] = [k if self.prompt_side else 0, table.decode.state_for(view.budget)]
-        state["pask_budget"] = view.budget
+        state["pask_k"] = [k if self.prompt_side else 0, table.decode.state_for(budget)]
+        state["pask_budget"] = budget
+        return table, labels, tags
+
+    def prefill_targets(self, seq, kv: KVCache) -> torch.Tensor | None:
+        """``[n, L]`` precision of every prefilled token in every layer, known before the forward
+        (input-derived labels, not attention), so the prompt is stored at its table precision
+        instead of written at HIGH and demoted: what :meth:`on_prefill` would do, as targets."""
+        table, labels, tags = self._start(seq, kv, seq.kv_budget)
+        n, prompt_len = seq.num_tokens, len(seq.prompt_token_ids)
+        groups = torch.tensor(table.group_of_layer())
+        targets = torch.full((n, kv.cfg.num_layers), int(Precision.HIGH), dtype=torch.int64)
+        if self.prompt_side:
+            per_layer = table.prompt.actions_at(seq.policy_state["pask_k"][0])[:, groups]     # [buckets, L]
+            targets[:prompt_len] = per_layer[torch.tensor(labels[:prompt_len], dtype=torch.long)]
+        decode = self.layer_actions(table, seq.policy_state["pask_k"][1])
+        for p in range(prompt_len, n):   # a recomputed sequence's outputs keep their decode actions
+            if p in tags:
+                targets[p] = decode[tags[p]]
+        seq.policy_state["pask_stored_at_prefill"] = True
+        return targets
+
+    def on_prefill(self, view: PrefillView) -> list[KVAction]:
+        seq, state = view.seq, view.seq.policy_state
+        if state.pop("pask_stored_at_prefill", False):
+            return []          # stored at its targets already (prefill_targets)
+        table, labels, tags = self._start(seq, view.kv, view.budget)
+        prompt_len, k = len(seq.prompt_token_ids), state["pask_k"][0]
         actions = []
         if self.prompt_side:
-            actions = self._actions(table, prompt.actions_at(k), {p: labels[p] for p in range(prompt_len)})
+            actions = self._actions(table, table.prompt.actions_at(k), {p: labels[p] for p in range(prompt_len)})
         # After a preemption the recomputed outputs are prefilled too: they keep their decode actions.
         outputs = {p: tags[p] for p in range(prompt_len, view.num_prefilled) if p in tags}
         actions += self._actions(table, table.decode.actions_at(state["pask_k"][1]), outputs)
