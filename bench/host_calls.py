@@ -7,13 +7,13 @@ Two random Qwen3 checkpoints of hidden size 64 (no download; the embedded tokeni
 engine (batch 4, 4 layers) and a large one (batch 32, 24 layers). Each runs as many requests as
 its batch, synthetic "multiple" prompts (PASK's floors refuse random tokens), waits until every
 request is decoding, then counts with ``cProfile`` every Python and
-built-in function call of ``--steps`` decode steps (``pstats.Stats.total_calls`` / steps). The
-count is deterministic: it does not depend on the machine's speed.
+built-in function call of ``--steps`` decode steps (``pstats.Stats.total_calls`` / steps).
 
 PASK needs a table for the model's layer count: the shipped table of the embedded model (6
 layers, 3 groups) with its layer groups stretched over the random model's layers, so the same
-cells and upgrades apply. A batched step makes about the same number of calls at both sizes;
-the table prints large / small and each compressed policy against full KV at the large size.
+cells and upgrades apply. The table prints large / small (a step with no Python per sequence or
+layer would make about the same number at both sizes) and each compressed policy against full KV
+at the large size. Counts depend on the code and library versions, not on the machine's speed.
 """
 
 from __future__ import annotations

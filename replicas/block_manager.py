@@ -1,6 +1,6 @@
 """Host-side accounting of the paged KV cache: pages, bytes, slots and positions, no KV data.
 
-The KV data lives in device pools allocated once (``replicas.kv_cache.KVPools``); this module
+The KV data lives in device pools allocated once (``replicas.kv_cache.KVCache``); this module
 decides which page and slot every entry occupies. Each (sequence, layer, precision) keeps its
 entries in dense slots ``0 .. n - 1`` over its page list; removing an entry moves the last one
 into its place (attention does not depend on slot order: keys are stored after RoPE), so a page

@@ -2,8 +2,8 @@
 
 Each step is either a prefill step (admit waiting sequences, FIFO, while their KV fits the free
 bytes) or a decode step (every running sequence, one token). Admission counts *compressed* bytes:
-a sequence is prefilled whole at HIGH and its policy compresses it to at most ``kv_budget`` x full
-KV before the next one is prefilled, so the step needs the compressed size of every admitted
+a sequence is prefilled whole (at HIGH, or for PASK at its table's precisions) and its policy
+compresses it to at most ``kv_budget`` x full KV before the next one is prefilled, so the step needs the compressed size of every admitted
 sequence plus the largest transient (full minus compressed) of one. That is how a third of the KV
 becomes about three times the batch. Before a decode step, a
 sequence whose next token needs new pages that the pool cannot give preempts the most recently
