@@ -3,10 +3,10 @@
     python -m bench.pask_overhead [--batch 1 8] [--max-tokens 96] [--pask-table DIR] [--repeats 3]
 
 Runs synthetic test prompts (tools grammar, greedy) through the engine with the PASK policy and
-times, per decode step, (a) tagging: detokenizing the new token and the structural tagger's
-``feed`` + ``bucket_of``, (b) lookup: the policy's ``on_decode`` (table row -> actions), and (c)
-applying those actions to the KV cache plus the budget state's ``hold_budget`` (KV work, reported
-apart). ITL is the engine step time while every sequence decodes. Prints medians over repeats.
+times, per decode step, (a) tagging: the new token's text (decoded once per token id) and the
+structural tagger's ``feed`` + ``bucket_of``, (b) lookup: the policy's ``decode_targets`` (table
+row -> each new token's precision per layer), and (c) the engine's budget check with the budget
+state's ``hold_budget`` (KV work, reported apart; the store itself is part of the forward). ITL is the engine step time while every sequence decodes. Prints medians over repeats.
 """
 
 from __future__ import annotations
@@ -45,12 +45,13 @@ def measure(batch: int, max_tokens: int, table: str | None, seed: int = 0) -> di
     eng = LLMEngine(EngineConfig(kv_policy="pask", kv_policy_args={"table": table} if table else {},
                                  kv_budget=0.5, max_num_seqs=batch, kv_cache_bytes=256 << 20))
     tag, lookup, apply = _Timer(), _Timer(), _Timer()
-    feed, on_decode = StructuralTagger.feed, PASKPolicy.on_decode
-    bucket_of, decode_tok = engine_mod.bucket_of, eng.tokenizer.decode
-    apply_fn = eng._apply
+    feed, targets, missing = StructuralTagger.feed, PASKPolicy.decode_targets, engine_mod.TokenText.__missing__
+    bucket_of = engine_mod.bucket_of
+    enforce = eng._enforce_budget
     StructuralTagger.feed = tag.wrap(feed)
     engine_mod.bucket_of = tag.wrap(bucket_of)
-    PASKPolicy.on_decode = lookup.wrap(on_decode)
+    engine_mod.TokenText.__missing__ = tag.wrap(missing)   # a token's text, decoded once per id
+    PASKPolicy.decode_targets = lookup.wrap(targets)
     try:
         gen = synth.Generator("test", seed=seed)
         examples = [ex for cat in ("simple", "multiple", "parallel", "parallel_multiple")
@@ -63,22 +64,18 @@ def measure(batch: int, max_tokens: int, table: str | None, seed: int = 0) -> di
         steps, tokens = [], 0
         while eng.has_unfinished():
             tag.total = lookup.total = apply.total = 0.0
-            # Time the token's detokenization for the tagger the way the engine does it.
-            eng.tokenizer.decode = lambda ids, **k: (tag.wrap(decode_tok) if len(ids) == 1 and not k
-                                                     else decode_tok)(ids, **k)
-            eng._apply = apply.wrap(apply_fn)
+            eng._enforce_budget = apply.wrap(enforce)
             t = time.perf_counter()
             outs = eng.step()
             dt = time.perf_counter() - t
-            eng.tokenizer.decode = decode_tok
-            eng._apply = apply_fn
+            eng._enforce_budget = enforce
             if len(outs) == batch and all(len(o.token_ids) > 1 for o in outs):  # pure decode steps
                 steps.append((dt, tag.total, lookup.total, apply.total))
                 tokens += len(outs)
         eng.close()
     finally:
-        StructuralTagger.feed, PASKPolicy.on_decode = feed, on_decode
-        engine_mod.bucket_of = bucket_of
+        StructuralTagger.feed, PASKPolicy.decode_targets = feed, targets
+        engine_mod.TokenText.__missing__, engine_mod.bucket_of = missing, bucket_of
     med = lambda i: statistics.median(s[i] for s in steps)
     itl = med(0)
     return {"batch": batch, "decode_steps": len(steps), "itl_ms": 1e3 * itl,

@@ -158,11 +158,6 @@ class ScoredPolicy(KVPolicy):
     def prefill_scores(self, view: PrefillView, layer: int, positions: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def protected(self, seq: Sequence, layer: int, positions: torch.Tensor, num_tokens: int,
-                  quota_tokens: int) -> torch.Tensor | None:
-        """Boolean mask of ``positions`` kept before any scored token (e.g. a recent window)."""
-        return None
-
     # -------------------------------------------------------------- score storage
     def scores(self, kv: KVCache) -> torch.Tensor:
         """``[rows, L, max_model_len]`` float32 score of every (sequence row, layer, position);
@@ -273,10 +268,8 @@ class ScoredPolicy(KVPolicy):
             pos = kv.kept_positions(seq.request_id, layer)
             if len(pos) <= quota:
                 continue
-            s = table[row, layer][pos].clone()
-            mask = self.protected(seq, layer, pos, num_tokens, quota)
-            if mask is not None:
-                s[mask] = KEEP + pos[mask].float()
+            s = self.protected_scores(table[row, layer][pos][None], pos, torch.tensor([num_tokens]),
+                                      torch.tensor([quota]))[0]
             drop = torch.topk(-s, len(pos) - quota).indices
             actions.append(KVAction(layer, tuple(pos[drop].tolist()), Precision.RELEASED))
         return actions

@@ -68,10 +68,6 @@ class H2OPolicy(ScoredPolicy):
             r = rows[:, None].expand(-1, width)
             table[r[valid.cpu()], layer, slot_pos[valid.cpu()]] += probs[valid.cpu()]
 
-    def protected(self, seq, layer, positions, num_tokens, quota_tokens):
-        recent = int(quota_tokens * self.recent_ratio)
-        return positions >= num_tokens - recent
-
     def protected_scores(self, scores, positions, num_tokens, quotas):
         recent = (quotas.double() * self.recent_ratio).floor().long()
         mask = positions[None, :] >= (num_tokens - recent)[:, None]

@@ -286,17 +286,14 @@ class PASKPolicy(KVPolicy):
         return actions
 
     def on_decode(self, view: DecodeView) -> list[KVAction]:
-        state = view.seq.policy_state
-        if "pask_k" not in state:
+        """The new token's demotions, for a token already stored at HIGH (tests and tools): the
+        targets of :meth:`decode_targets`, as actions."""
+        view.seq.kv_budget = view.budget
+        targets = self.decode_targets([view.seq], view.kv)
+        if targets is None:
             return []
-        table = state["pask_table"]
-        if view.budget > state["pask_budget"]:  # the budget rose: later tokens get a larger state
-            state["pask_k"][1] = max(state["pask_k"][1], table.decode.state_for(view.budget))
-        state["pask_budget"] = view.budget
-        bucket = state.get("tags", {}).get(view.position)
-        if bucket is None:
-            return []
-        return self._actions(table, table.decode.actions_at(state["pask_k"][1]), {view.position: bucket})
+        return [KVAction(layer, (view.position,), Precision(level))
+                for layer, level in enumerate(targets[0].tolist()) if level != int(Precision.HIGH)]
 
     def layer_actions(self, table: PASKTable, k: int) -> torch.Tensor:
         """``[num_buckets, L]`` int64 decode-side action of every bucket in every layer at state
