@@ -10,8 +10,8 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton compiles anything
 
 import kernels  # noqa: E402
-from kernels import (dequantize_ref, merge_attention_states, paged_decode_attention_ref,  # noqa: E402
-                     quantize_ref, quantize_store_ref)
+from kernels import (dequantize_ref, merge_attention_states, paged_decode_attention_pools_ref,  # noqa: E402
+                     paged_decode_attention_ref, quantize_ref, quantize_store_ref)
 
 triton = pytest.importorskip("triton")
 interpret = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -133,6 +133,35 @@ def test_merge_equals_attention_over_union():
         keys, vals = keys.repeat_interleave(2, dim=1), vals.repeat_interleave(2, dim=1)
         s = torch.einsum("hd,thd->ht", q[i].double(), keys) / math.sqrt(d)
         torch.testing.assert_close(merged[i].double(), torch.einsum("ht,thd->hd", s.softmax(-1), vals),
+                                   atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("with_self", [False, True])
+def test_pools_reference_equals_float64_attention_over_the_union(with_self):
+    """HIGH, INT8 and INT4 pools (ragged, one row empty in a pool, one row empty everywhere but
+    its own key) attended in one call equal dense float64 attention over every kept entry."""
+    torch.manual_seed(1)
+    bs, hq, hkv, d = 4, 6, 3, 8
+    lens = {0: [5, 0, 3, 0], 8: [2, 9, 0, 0], 4: [7, 1, 4, 0]}
+    made = {bits: make_pool(n, bs, hkv, d, bits) for bits, n in lens.items()}
+    q = torch.randn(4, hq, d)
+    ek, ev = torch.randn(4, hkv, d), torch.randn(4, hkv, d)
+    emask = torch.tensor([True, False, True, True]) if with_self else None
+    pools = [(*pool, table, torch.tensor(lens[bits], dtype=torch.int32), bits)
+             for bits, (table, pool, _) in made.items()]
+    out = paged_decode_attention_pools_ref(q, pools, (ek, ev, emask) if with_self else None)
+    for i in range(4):
+        keys = [dense[0][table[i].long()].flatten(0, 1)[:lens[bits][i]] for bits, (table, _, dense) in made.items()]
+        vals = [dense[1][table[i].long()].flatten(0, 1)[:lens[bits][i]] for bits, (table, _, dense) in made.items()]
+        if with_self and emask[i]:
+            keys, vals = keys + [ek[i:i + 1].double()], vals + [ev[i:i + 1].double()]
+        keys, vals = torch.cat(keys), torch.cat(vals)
+        if not len(keys):
+            assert (out[i] == 0).all()
+            continue
+        keys, vals = keys.repeat_interleave(hq // hkv, dim=1), vals.repeat_interleave(hq // hkv, dim=1)
+        s = torch.einsum("hd,thd->ht", q[i].double(), keys) / math.sqrt(d)
+        torch.testing.assert_close(out[i].double(), torch.einsum("ht,thd->hd", s.softmax(-1), vals),
                                    atol=1e-5, rtol=1e-5)
 
 
