@@ -17,6 +17,9 @@ class EngineConfig:
         block_size: tokens per KV page.
         max_num_seqs: sequences decoded together.
         max_num_batched_tokens: prompt tokens prefilled per step.
+        enable_chunked_prefill: prefill a prompt longer than ``max_num_batched_tokens`` over
+            several steps, alternating with decode steps, so running streams are not stalled
+            for a whole long prompt (vLLM's option of the same name).
         max_model_len: longest prompt + output in tokens (None: the model's context length).
         kv_policy: KV policy name (see ``replicas.policy.POLICIES``).
         kv_policy_args: keyword arguments of the policy.
@@ -33,6 +36,7 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = False
     max_model_len: int | None = None
     kv_policy: str = "full"
     kv_policy_args: dict = field(default_factory=dict)

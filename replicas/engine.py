@@ -22,13 +22,13 @@ from replicas.detokenizer import IncrementalDetokenizer
 from replicas.errors import InvalidRequestError
 from replicas.grammar import GrammarCompiler, GrammarSpec
 from replicas.kv_cache import KVCache, KVCacheConfig, KVCacheOutOfMemory, Precision
-from replicas.model_runner import ModelRunner
+from replicas.model_runner import ModelRunner, PrefillChunk
 from replicas.models import load_model
 from replicas.policies import make_policy
 from replicas.policy import PrefillView
 from replicas.sampler import sample
 from replicas.sampling_params import SamplingParams
-from replicas.scheduler import Scheduler, SchedulerConfig
+from replicas.scheduler import PrefillWork, Scheduler, SchedulerConfig
 from replicas.sequence import RequestOutput, Sequence, SequenceStatus, TokenLogprob
 from replicas.prompt_labels import prompt_labels
 from replicas.tagger import StructuralTagger, bucket_of
@@ -133,7 +133,8 @@ class LLMEngine:
         self._token_text = TokenText(self.tokenizer)
         self.eos_token_ids = set(mc.eos_token_ids) | self._generation_eos(path)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   config.enable_chunked_prefill), self.kv)
         self.policy = make_policy(config.kv_policy, **config.kv_policy_args)
         self.policy.bind_model(path)
         if config.kv_budget < 1.0:  # a default budget no prompt can meet is a configuration error
@@ -299,12 +300,17 @@ class LLMEngine:
     # ------------------------------------------------------------------ the loop
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Run one prefill or decode step; return the outputs of the sequences it advanced."""
+        """Run one prefill or decode step; return the outputs of the sequences it advanced (a
+        prefill step: those whose prompt it completed)."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        seqs = sched.prefill or sched.decode
-        logits = self._prefill(seqs) if sched.prefill else self._decode(seqs)
+        if sched.prefill:
+            seqs, logits = self._prefill(sched.prefill)
+            if not seqs:
+                return []
+        else:
+            seqs, logits = sched.decode, self._decode(sched.decode)
         want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw = torch.log_softmax(logits[want], dim=-1) if want else None  # before mask and temperature
         self.grammar_mask(logits, seqs)
@@ -325,20 +331,59 @@ class LLMEngine:
             seq.logprobs = []
         seq.logprobs.append(TokenLogprob(token, finite(float(logprobs[token])), top))
 
-    def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        rows, spec = [], self.policy.spec
-        for seq in seqs:
-            targets = self.policy.prefill_targets(seq, self.kv)
-            logits, queries, ppl = self.runner.prefill(seq, spec.observation_window, spec.wants_window_ppl, targets)
-            rows.append(logits)
-            view = PrefillView(seq, self.kv, seq.num_tokens, queries, seq.kv_budget, ppl)
+    def _prefill(self, work: list[PrefillWork]) -> tuple[list[Sequence], torch.Tensor | None]:
+        """One prefill forward over the scheduled chunks. A prompt's policy targets are fixed at
+        its first chunk; its window queries (and, for the window perplexity, its last hidden
+        states) are carried over chunks; when its last chunk is in, the policy compresses it
+        (``on_prefill``) and its first token is sampled. Returns the sequences completed in this
+        step and their logits ``[n, vocab]`` (None when none completed)."""
+        spec = self.policy.spec
+        w = spec.observation_window
+        keep_hidden = min(w, self.max_model_len) + 1 if spec.wants_window_ppl and w else 0
+        chunks = []
+        for item in work:
+            seq = item.seq
+            if item.start == 0:
+                seq.prefill_state = {"targets": self.policy.prefill_targets(seq, self.kv), "queries": {}, "hidden": None}
+            targets = seq.prefill_state["targets"]
+            chunks.append(PrefillChunk(seq.request_id, seq.all_token_ids[item.start:item.end], item.start,
+                                       None if targets is None else targets[item.start:item.end], item.is_last))
+        try:
+            results = self.runner.prefill(chunks, w, keep_hidden)
+        except KVCacheOutOfMemory:     # the pool filled mid-forward (decode grew): recompute later
+            for item in work:
+                self.scheduler.preempt(item.seq)
+            return [], None
+        done, rows = [], []
+        for item, res in zip(work, results):
+            seq, state = item.seq, item.seq.prefill_state
+            seq.num_computed_tokens = item.end
+            for layer, q in res.queries.items():
+                prev = state["queries"].get(layer)
+                state["queries"][layer] = q if prev is None else torch.cat([prev, q])[-w:]
+            if keep_hidden:
+                prev = state["hidden"]
+                state["hidden"] = res.hidden if prev is None else torch.cat([prev, res.hidden])[-keep_hidden:]
+            if not item.is_last:
+                continue
+            n = seq.num_tokens
+            ppl = None
+            if keep_hidden and n > 1:
+                k = min(w, n - 1)
+                ppl = self.runner.window_ppl(state["hidden"][-k - 1:], seq.all_token_ids[-k:])
+            seq.prefilled, seq.prefill_state = True, None
+            view = PrefillView(seq, self.kv, n, state["queries"], seq.kv_budget, ppl)
             try:
                 for a in self.policy.on_prefill(view):
                     self.kv.set_precision(seq.request_id, a.layer, a.positions, a.precision)
             except KVCacheOutOfMemory:
                 self.scheduler.preempt(seq)
-        self._enforce_budget([s for s in seqs if s.request_id in self.kv.seqs])
-        return torch.stack(rows)
+                continue
+            done.append(seq)
+            rows.append(res.logits)
+        self._enforce_budget(done)
+        kept = [i for i, s in enumerate(done) if s.request_id in self.kv.seqs]   # not preempted by it
+        return [done[i] for i in kept], (torch.stack([rows[i] for i in kept]) if kept else None)
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One batched decode step: the policy picks each new token's precision per layer, the

@@ -1,14 +1,23 @@
-"""Continuous batching: admission by KV memory in compressed bytes, preemption by recompute.
+"""Continuous batching: admission by KV memory in compressed bytes, chunked prefill, preemption
+by recompute.
 
-Each step is either a prefill step (admit waiting sequences, FIFO, while their KV fits the free
-bytes) or a decode step (every running sequence, one token). Admission counts *compressed* bytes:
-a sequence is prefilled whole (at HIGH, or for PASK at its table's precisions) and its policy
-compresses it to at most ``kv_budget`` x full KV before the next one is prefilled, so the step needs the compressed size of every admitted
-sequence plus the largest transient (full minus compressed) of one. That is how a third of the KV
-becomes about three times the batch. Before a decode step, a
-sequence whose next token needs new pages that the pool cannot give preempts the most recently
-admitted running sequences: their cache is freed and they wait at the front of the queue, to be
-prefilled again with prompt and output so far (vLLM's recompute preemption).
+Each step is either a prefill step (chunks of prompts, up to ``max_num_batched_tokens`` tokens in
+one forward) or a decode step (every sequence whose prompt is in the cache, one token each).
+Admission counts *compressed* bytes: a prompt is prefilled (at HIGH, or for PASK at its table's
+precisions) and its policy compresses it to at most ``kv_budget`` x full KV when its last chunk is
+in, so the step needs the compressed size of every admitted sequence plus the largest transient
+(full minus compressed) of one. That is how a third of the KV becomes about three times the batch.
+
+Without chunked prefill (vLLM's default before v1) a step prefills whole prompts, and a waiting
+prompt that fits goes before decoding: a 4K prompt stalls every running stream for its whole
+prefill. With ``enable_chunked_prefill`` a prompt longer than the step's token budget is
+prefilled over several steps, ``max_num_batched_tokens`` at a time, and while a prompt is in
+progress prefill and decode steps alternate, so running streams wait one chunk at most.
+
+Before a decode step, a sequence whose next token needs new pages that the pool cannot give
+preempts the most recently admitted running sequences: their cache is freed and they wait at the
+front of the queue, to be prefilled again with prompt and output so far (vLLM's recompute
+preemption).
 """
 
 from __future__ import annotations
@@ -25,20 +34,35 @@ from replicas.sequence import Sequence, SequenceStatus
 class SchedulerConfig:
     """Attributes:
         max_num_seqs: sequences running at once.
-        max_num_batched_tokens: prompt tokens prefilled in one step (at least one sequence is
-            always admitted when memory allows, whatever its length).
+        max_num_batched_tokens: prompt tokens prefilled in one step (without chunked prefill at
+            least one whole prompt is always admitted when memory allows, whatever its length).
+        enable_chunked_prefill: split prompts longer than the step's token budget over steps.
     """
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = False
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError(f"scheduler limits must be >= 1: {self}")
 
 
+@dataclass(frozen=True)
+class PrefillWork:
+    """Tokens ``[start, end)`` of ``seq`` to prefill this step; ``is_last``: the prompt is then
+    whole in the cache (the step samples its first token)."""
+    seq: Sequence
+    start: int
+    end: int
+
+    @property
+    def is_last(self) -> bool:
+        return self.end == self.seq.num_tokens
+
+
 @dataclass
 class SchedulerOutput:
-    prefill: list[Sequence] = field(default_factory=list)
+    prefill: list[PrefillWork] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
@@ -52,6 +76,7 @@ class Scheduler:
         self.cfg, self.kv = cfg, kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._last_was_prefill = False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -71,43 +96,74 @@ class Scheduler:
         """Free ``seq``'s KV cache and put it first in the waiting queue (recompute later)."""
         if seq in self.running:
             self.running.remove(seq)
+        self._requeue(seq)
+
+    def _requeue(self, seq: Sequence) -> None:
         self.kv.free_sequence(seq.request_id)
         seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens, seq.prefilled, seq.prefill_state = 0, False, None
         seq.metrics.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        reserve = self.kv.next_step_bytes([s.request_id for s in self.running])
+        chunked = self.cfg.enable_chunked_prefill
+        ready = [s for s in self.running if s.prefilled]
+        if chunked and ready and self._last_was_prefill:
+            self._last_was_prefill = False      # prefill and decode take turns
+            return self._decode(out)
         budget_tokens = self.cfg.max_num_batched_tokens
+        for seq in self.running:                # prompts already in progress go first
+            if not seq.prefilled and budget_tokens > 0:
+                end = min(seq.num_tokens, seq.num_computed_tokens + budget_tokens)
+                out.prefill.append(PrefillWork(seq, seq.num_computed_tokens, end))
+                budget_tokens -= end - seq.num_computed_tokens
+        reserve = self.kv.next_step_bytes([s.request_id for s in ready])
         held, transient = 0, 0
-        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
+        for seq in self.running:                # what prompts in progress still need
+            if not seq.prefilled:
+                full, compressed = self._sizes(seq)
+                held += max(0, compressed - self.kv.sequence_bytes(seq.request_id))
+                transient = max(transient, full - compressed)
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs and budget_tokens > 0:
             seq = self.waiting[0]
-            full = self.kv.full_kv_bytes(seq.num_tokens)
-            compressed = min(full, math.ceil(seq.kv_budget * full))
+            full, compressed = self._sizes(seq)
             if reserve + held + compressed + max(transient, full - compressed) > self.kv.bytes_free:
                 break
-            if out.prefill and seq.num_tokens > budget_tokens:
+            if out.prefill and seq.num_tokens > budget_tokens and not chunked:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.kv.add_sequence(seq.request_id)
             self.running.append(seq)
-            out.prefill.append(seq)
+            end = min(seq.num_tokens, budget_tokens) if chunked else seq.num_tokens
+            out.prefill.append(PrefillWork(seq, 0, end))
             held += compressed
             transient = max(transient, full - compressed)
-            budget_tokens -= seq.num_tokens
+            budget_tokens -= end
         if out.prefill:
+            self._last_was_prefill = True
             return out
-        while self.running:
-            need = self.kv.next_step_bytes([s.request_id for s in self.running])
+        self._last_was_prefill = False
+        return self._decode(out)
+
+    def _sizes(self, seq: Sequence) -> tuple[int, int]:
+        """Full-KV and compressed bytes of ``seq``'s tokens (compressed: ``kv_budget`` x full)."""
+        full = self.kv.full_kv_bytes(seq.num_tokens)
+        return full, min(full, math.ceil(seq.kv_budget * full))
+
+    def _decode(self, out: SchedulerOutput) -> SchedulerOutput:
+        """Every prefilled sequence, one token; the most recently admitted are preempted while the
+        step's new pages do not fit."""
+        while True:
+            ready = [s for s in self.running if s.prefilled]
+            if not ready:
+                return out
+            need = self.kv.next_step_bytes([s.request_id for s in ready])
             if need <= self.kv.bytes_free or len(self.running) == 1:
                 break
             victim = self.running.pop()
-            self.kv.free_sequence(victim.request_id)
-            victim.status = SequenceStatus.WAITING
-            victim.metrics.num_preemptions += 1
-            self.waiting.appendleft(victim)
+            self._requeue(victim)
             out.preempted.append(victim)
-        out.decode = list(self.running)
+        out.decode = ready
         return out

@@ -72,6 +72,12 @@ class Sequence:
     policy_state: dict = field(default_factory=dict)  # owned by the KV policy (tags, scores ...)
     detokenizer: Any = None                   # replicas.detokenizer.IncrementalDetokenizer
     logprobs: list[TokenLogprob] | None = None  # one per output token, when params.logprobs is set
+    # Prefill progress: tokens whose KV is in the cache while the prompt is prefilled (in chunks
+    # with chunked prefill), and whether it is done (then the sequence decodes); both reset by a
+    # preemption. ``prefill_state`` is the engine's (the policy's targets, window queries so far).
+    num_computed_tokens: int = 0
+    prefilled: bool = False
+    prefill_state: dict | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -119,6 +119,23 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return out[0].transpose(0, 1)
 
 
+def prefix_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            prior_k: torch.Tensor, prior_v: torch.Tensor) -> torch.Tensor:
+    """A prompt chunk's attention: ``q, k, v [c, H, D]`` (Hq query heads, Hkv KV heads) see every
+    earlier entry ``prior_k, prior_v [P, Hkv, D]`` (all at positions before the chunk, in any
+    order) and, causally, the chunk itself. Returns ``[c, Hq, D]``."""
+    if not prior_k.shape[0]:
+        return causal_attention(q, k, v)
+    c, p = q.shape[0], prior_k.shape[0]
+    keys = torch.cat([prior_k.to(k.dtype), k]).transpose(0, 1)[None]
+    values = torch.cat([prior_v.to(v.dtype), v]).transpose(0, 1)[None]
+    mask = torch.ones(c, p + c, dtype=torch.bool, device=q.device)
+    mask[:, p:] = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask,
+                                         enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_index: int):
         super().__init__()

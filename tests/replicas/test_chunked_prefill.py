@@ -1,0 +1,118 @@
+"""Chunked and batched prefill: same tokens and decisions as whole-prompt prefill, running streams
+not stalled by a long prompt, several prompts in one forward, abort and preemption mid-prompt."""
+
+import pytest
+
+from replicas.config import EngineConfig
+from replicas.engine import LLMEngine
+from replicas.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
+
+
+def _chunked(**kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(kv_cache_bytes=64 << 20, max_num_seqs=8, enable_chunked_prefill=True,
+                                  max_num_batched_tokens=kw.pop("max_num_batched_tokens", 96), **kw))
+
+
+def _kept(engine: LLMEngine, rid: str) -> list[dict]:
+    return [engine.kv.kept(rid, layer) for layer in range(engine.kv.cfg.num_layers)]
+
+
+def test_full_kv_tokens_equal_whole_prompt_prefill(engine, chat_prompts):
+    prompts = chat_prompts[:4]
+    assert min(map(len, prompts)) > 96          # every prompt takes several chunks
+    want = [o.token_ids for o in engine.generate(prompts, GREEDY)]
+    chunked = _chunked()
+    assert [o.token_ids for o in chunked.generate(prompts, GREEDY)] == want
+    assert chunked.kv.bytes_used == 0
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "h2o", "compilerkv+pask", "streaming_llm"])
+def test_compression_at_the_end_of_the_prompt_keeps_the_same_entries(chat_prompts, policy):
+    """A prompt prefilled in chunks of 96 tokens is compressed when its last chunk is in, from
+    the same window queries (H2O: every prompt query), so each layer keeps the same positions at
+    the same precisions as after a whole-prompt prefill."""
+    prompt = chat_prompts[1]
+    args = dict(kv_policy=policy, kv_budget=0.33, kv_cache_bytes=64 << 20, max_num_seqs=8)
+    whole, chunked = LLMEngine(EngineConfig(**args)), _chunked(**{k: v for k, v in args.items() if k not in ("kv_cache_bytes", "max_num_seqs")})
+    kept = []
+    for eng in (whole, chunked):
+        eng.add_request("r", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+        while not eng._seqs["r"].prefilled:
+            eng.step()
+        kept.append(_kept(eng, "r"))
+    assert kept[0] == kept[1]
+    assert sum(map(len, kept[0])) < 0.5 * len(prompt) * whole.kv.cfg.num_layers   # it did compress
+
+
+def test_pask_stores_each_chunk_at_its_targets_and_stays_within_budget_plus_a_chunk(chat_prompts):
+    prompt = chat_prompts[1]
+    eng = _chunked(kv_policy="pask", kv_budget=0.33)
+    eng.add_request("r", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    seq, kv = eng._seqs["r"], eng.kv
+    # one chunk at HIGH, plus a partly filled page per layer in each of the three pools
+    slack = kv.full_kv_bytes(96) + kv.cfg.num_layers * sum(kv.page_cost(p) for p in kv.pools)
+    peak = 0
+    while not seq.prefilled:
+        eng.step()
+        peak = max(peak, kv.sequence_bytes("r"))
+    assert peak <= seq.kv_budget * kv.full_kv_bytes(seq.num_tokens) + slack
+    whole = LLMEngine(EngineConfig(kv_policy="pask", kv_budget=0.33, kv_cache_bytes=64 << 20))
+    whole.add_request("r", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    whole.step()
+    assert _kept(eng, "r") == _kept(whole, "r")      # the same table decisions, position by position
+
+
+def test_running_streams_decode_between_the_chunks_of_a_long_prompt(chat_prompts):
+    eng = _chunked(max_num_batched_tokens=64)
+    eng.add_request("running", chat_prompts[0][:60], SamplingParams(max_tokens=40, ignore_eos=True))
+    eng.step()                                          # its whole prompt fits one chunk
+    long = chat_prompts[2]
+    eng.add_request("long", long, SamplingParams(max_tokens=2, ignore_eos=True))
+    kinds = []
+    while not eng._seqs["long"].prefilled:
+        before = len(eng._seqs["running"].output_token_ids)
+        eng.step()
+        kinds.append("decode" if len(eng._seqs["running"].output_token_ids) > before else "prefill")
+    assert kinds.count("prefill") == -(-len(long) // 64)
+    assert "prefill,prefill" not in ",".join(kinds)      # never two chunks in a row
+    whole = LLMEngine(EngineConfig(kv_cache_bytes=64 << 20, max_num_batched_tokens=64))
+    whole.add_request("running", chat_prompts[0][:60], SamplingParams(max_tokens=40, ignore_eos=True))
+    whole.step()
+    whole.add_request("long", long, SamplingParams(max_tokens=2, ignore_eos=True))
+    before = len(whole._seqs["running"].output_token_ids)
+    whole.step()                                        # without chunking: the whole prompt first
+    assert len(whole._seqs["running"].output_token_ids) == before and whole._seqs["long"].prefilled
+
+
+def test_several_prompts_share_one_prefill_forward(engine, chat_prompts, monkeypatch):
+    prompts = chat_prompts[:5]
+    calls = []
+    real = engine.runner.prefill
+    monkeypatch.setattr(engine.runner, "prefill", lambda chunks, *a: calls.append(len(chunks)) or real(chunks, *a))
+    outs = engine.generate(prompts, GREEDY)
+    assert calls[0] == 5                                # every prompt in the first forward
+    solo = [engine.generate([p], GREEDY)[0].token_ids for p in prompts]
+    assert [o.token_ids for o in outs] == solo
+
+
+def test_abort_and_preemption_mid_prompt_leave_nothing_behind(chat_prompts):
+    eng = _chunked()
+    eng.add_request("a", chat_prompts[2], GREEDY)
+    eng.step()
+    seq = eng._seqs["a"]
+    assert 0 < seq.num_computed_tokens < seq.num_tokens and eng.kv.bytes_used > 0
+    eng.abort("a")
+    assert eng.kv.bytes_used == 0 and not eng.has_unfinished()
+    eng.add_request("b", chat_prompts[2], GREEDY)
+    eng.step()
+    seq = eng._seqs["b"]
+    eng.scheduler.preempt(seq)
+    assert (seq.num_computed_tokens, seq.prefilled, seq.prefill_state) == (0, False, None)
+    assert eng.kv.bytes_used == 0
+    last = None
+    while eng.has_unfinished():        # recomputed from the start
+        last = (eng.step() or [last])[-1]
+    assert last.finished and eng.kv.bytes_used == 0
+    assert last.token_ids == LLMEngine(EngineConfig(kv_cache_bytes=64 << 20)).generate([chat_prompts[2]], GREEDY)[0].token_ids
