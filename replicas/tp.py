@@ -74,14 +74,30 @@ def init_distributed(rank: int, world_size: int, port: int, device: torch.device
 
 
 class Broadcaster:
-    """Rank 0's side: sends each call to the workers, which replay it on their shard."""
+    """Rank 0's side: sends calls to the workers, which replay them on their shard.
+
+    KV-cache mutations are *deferred* and go out with the next forward (prefill or decode) in one
+    ``broadcast_object_list``: the workers' caches only need to agree with rank 0's when a forward
+    reads them, so a step costs one collective however many sequences it admits, frees, plans,
+    releases or demotes (PASK's budget demotions were one collective per ``set_precision``)."""
+
+    def __init__(self):
+        self.pending: list[tuple[str, tuple]] = []
+        self.num_sent = 0      # collectives so far (tests count them)
+
+    def defer(self, method: str, *args: Any) -> None:
+        self.pending.append((method, args))
 
     def send(self, method: str, *args: Any) -> None:
-        dist.broadcast_object_list([(method, args)], src=0)
+        """Broadcast the deferred calls and then ``method(*args)``, in order, as one message."""
+        calls, self.pending = self.pending + [(method, args)], []
+        dist.broadcast_object_list([("calls", calls)], src=0)
+        self.num_sent += 1
 
 
 class MirroredKVCache:
-    """Rank 0's KV cache: mutations are broadcast to the workers before being applied locally."""
+    """Rank 0's KV cache: mutations are applied locally at once and replayed on the workers with
+    the next forward (:class:`Broadcaster`)."""
 
     MUTATIONS = ("add_sequence", "free_sequence", "set_precision", "plan_decode", "release_one")
 
@@ -92,8 +108,9 @@ class MirroredKVCache:
         attr = getattr(self._local, name)
         if name in self.MUTATIONS:
             def mirrored(*args):
-                self._bcast.send("kv." + name, *args)
-                return attr(*args)
+                result = attr(*args)      # a call that raises changed nothing: not replayed
+                self._bcast.defer("kv." + name, *args)
+                return result
             return mirrored
         return attr
 
@@ -104,9 +121,12 @@ class MirroredRunner:
     def __init__(self, local, broadcaster: Broadcaster):
         self._local, self._bcast = local, broadcaster
 
-    def prefill(self, seq, observation_window: int = 0, window_ppl: bool = False, targets=None):
-        self._bcast.send("prefill", seq.request_id, seq.all_token_ids, observation_window, targets)
-        return self._local.prefill(seq, observation_window, window_ppl, targets)
+    def prefill(self, chunks, observation_window: int = 0, keep_hidden: int = 0):
+        self._bcast.send("prefill", chunks)
+        return self._local.prefill(chunks, observation_window, keep_hidden)
+
+    def window_ppl(self, hidden, token_ids):
+        return self._local.window_ppl(hidden, token_ids)
 
     def decode(self, seqs, plan, record_queries: bool = False):
         """The plan itself was built on every rank by the mirrored ``kv.plan_decode`` just before."""
@@ -116,8 +136,8 @@ class MirroredRunner:
 
 
 class _Stub:
-    """What a worker's runner reads of a sequence: its id, its tokens (prefill) or only the last
-    one (decode), and its length."""
+    """What a worker's runner reads of a sequence in a decode step: its id, its last token and
+    its length (a prefill step sends the ``PrefillChunk`` s themselves)."""
 
     def __init__(self, request_id, token_ids, num_tokens=None):
         self.request_id, self.all_token_ids = request_id, token_ids
@@ -138,14 +158,15 @@ def worker_main(rank: int, world_size: int, port: int, config, addr: str = "127.
         method, args = box[0]
         if method == "stop":
             break
-        if method.startswith("kv."):
-            result = getattr(kv, method[3:])(*args)
-            if method == "kv.plan_decode":
-                plan = result          # the step's plan, read by the "decode" that follows
-        elif method == "prefill":
-            runner.prefill(_Stub(args[0], args[1]), args[2], targets=args[3])
-        elif method == "decode":
-            runner.decode([_Stub(rid, [tok], n) for rid, tok, n in args[0]], plan, args[1])
+        for method, args in args:          # "calls": deferred KV mutations, then a forward
+            if method.startswith("kv."):
+                result = getattr(kv, method[3:])(*args)
+                if method == "kv.plan_decode":
+                    plan = result          # the step's plan, read by the "decode" that follows
+            elif method == "prefill":
+                runner.prefill(args[0])
+            elif method == "decode":
+                runner.decode([_Stub(rid, [tok], n) for rid, tok, n in args[0]], plan, args[1])
     dist.destroy_process_group()
 
 

@@ -28,3 +28,36 @@ def test_indivisible_heads_refused():
     model = load_model(resolve_checkpoint())
     with pytest.raises(ValueError, match="must divide num_kv_heads"):
         shard_model(model, 0, 3)
+
+
+@pytest.mark.slow
+def test_two_ranks_pask_one_collective_per_step(chat_prompts):
+    """PASK at a budget that makes it demote while decoding: the same tokens as one rank, and
+    one broadcast per step (deferred KV mutations ride with the forward)."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    cfg = dict(kv_cache_bytes=64 << 20, kv_policy="pask", kv_budget=0.33)
+    want = [o.token_ids for o in LLMEngine(EngineConfig(**cfg)).generate(chat_prompts[:3], params)]
+    tp = LLMEngine(EngineConfig(**cfg, tensor_parallel_size=2))
+    try:
+        bcast = tp.kv._bcast
+        demotions, steps = 0, 0
+        set_precision = tp.kv._local.set_precision
+
+        def counting(*args):
+            nonlocal demotions
+            demotions += 1
+            return set_precision(*args)
+        tp.kv._local.set_precision = counting
+        for i, p in enumerate(chat_prompts[:3]):
+            tp.add_request(f"r{i}", p, params)
+        got = {}
+        while tp.has_unfinished():
+            steps += 1
+            for out in tp.step():
+                if out.finished:
+                    got[out.request_id] = out.token_ids
+        assert [got[f"r{i}"] for i in range(3)] == want
+        assert demotions > steps            # several KV operations per step ...
+        assert bcast.num_sent == steps      # ... one collective each
+    finally:
+        tp.close()
