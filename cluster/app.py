@@ -30,6 +30,10 @@ class AppArgs(BaseModel):
     kv_budget: float = Field(1.0, gt=0.0, le=1.0, description="Default total KV budget per request.")
     kv_cache_bytes: int = Field(512 << 20, gt=0, description="KV pool per replica (per rank), bytes.")
     max_num_seqs: int = Field(16, ge=1)
+    max_num_batched_tokens: int = Field(8192, ge=1, description="Prompt tokens prefilled per engine step.")
+    enable_chunked_prefill: bool = Field(False, description="Prefill prompts longer than max_num_batched_tokens "
+                                         "over several steps, alternating with decode steps (running streams "
+                                         "wait one chunk, not a whole prompt).")
     max_pending: int = Field(256, ge=1, description="In-flight requests per replica before 429.")
     replica_retries: int = Field(1, ge=0, le=5, description="Times a request that received nothing yet is "
                                  "sent to another replica after its replica died.")
@@ -77,7 +81,8 @@ class LLMServer:
         engine = AsyncLLMEngine.from_config(EngineConfig(
             model=a.model, kv_policy=a.kv_policy, kv_budget=a.kv_budget, kv_cache_bytes=a.kv_cache_bytes,
             max_num_seqs=a.max_num_seqs, tensor_parallel_size=a.tensor_parallel_size,
-            kv_policy_args=a.kv_policy_args))
+            kv_policy_args=a.kv_policy_args, max_num_batched_tokens=a.max_num_batched_tokens,
+            enable_chunked_prefill=a.enable_chunked_prefill))
         self.engine = engine
         from cluster.protocol import Limits
         self.server = OpenAIServer(engine, a.served_model_name or Path(a.model).name, a.max_pending,
