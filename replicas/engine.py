@@ -300,17 +300,14 @@ class LLMEngine:
     # ------------------------------------------------------------------ the loop
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Run one prefill or decode step; return the outputs of the sequences it advanced (a
-        prefill step: those whose prompt it completed)."""
+        """Run one step (prompt chunks, decode, or with chunked prefill both in one forward);
+        return the outputs of the sequences it advanced (for prompts: those it completed)."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        if sched.prefill:
-            seqs, logits = self._prefill(sched.prefill)
-            if not seqs:
-                return []
-        else:
-            seqs, logits = sched.decode, self._decode(sched.decode)
+        seqs, logits = self._forward(sched.decode, sched.prefill)
+        if not seqs:
+            return []
         want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw = torch.log_softmax(logits[want], dim=-1) if want else None  # before mask and temperature
         self.grammar_mask(logits, seqs)
@@ -331,30 +328,48 @@ class LLMEngine:
             seq.logprobs = []
         seq.logprobs.append(TokenLogprob(token, finite(float(logprobs[token])), top))
 
-    def _prefill(self, work: list[PrefillWork]) -> tuple[list[Sequence], torch.Tensor | None]:
-        """One prefill forward over the scheduled chunks. A prompt's policy targets are fixed at
-        its first chunk; its window queries (and, for the window perplexity, its last hidden
-        states) are carried over chunks; when its last chunk is in, the policy compresses it
-        (``on_prefill``) and its first token is sampled. Returns the sequences completed in this
-        step and their logits ``[n, vocab]`` (None when none completed)."""
-        spec = self.policy.spec
+    def _forward(self, decode: list[Sequence], work: list[PrefillWork]) -> tuple[list[Sequence], torch.Tensor | None]:
+        """One forward over the step's decode batch and prompt chunks; returns the sequences to
+        sample (the decode batch, then the prompts completed in this step) and their logits
+        ``[n, vocab]`` (None when there are none).
+
+        Decode: the policy picks each new token's precision per layer, the cache places the
+        batch (one plan), the policy's evictions are applied in one batched release. Prompts: a
+        prompt's policy targets are fixed at its first chunk; its window queries (and, for the
+        window perplexity, its last hidden states) are carried over chunks; when its last chunk
+        is in, the policy compresses it (``on_prefill``). Then the budget is checked for every
+        sequence sampled, at once."""
+        spec, kv = self.policy.spec, self.kv
+        plan = None
+        if decode:
+            targets = self.policy.decode_targets(decode, kv)
+            positions = torch.tensor([s.num_tokens - 1 for s in decode], dtype=torch.int64)
+            plan = kv.plan_decode([s.request_id for s in decode], positions, targets)
         w = spec.observation_window
         keep_hidden = min(w, self.max_model_len) + 1 if spec.wants_window_ppl and w else 0
         chunks = []
         for item in work:
             seq = item.seq
             if item.start == 0:
-                seq.prefill_state = {"targets": self.policy.prefill_targets(seq, self.kv), "queries": {}, "hidden": None}
+                seq.prefill_state = {"targets": self.policy.prefill_targets(seq, kv), "queries": {}, "hidden": None}
             targets = seq.prefill_state["targets"]
             chunks.append(PrefillChunk(seq.request_id, seq.all_token_ids[item.start:item.end], item.start,
                                        None if targets is None else targets[item.start:item.end], item.is_last))
         try:
-            results = self.runner.prefill(chunks, w, keep_hidden)
-        except KVCacheOutOfMemory:     # the pool filled mid-forward (decode grew): recompute later
-            for item in work:
-                self.scheduler.preempt(item.seq)
+            logits, queries, results = self.runner.forward(decode, plan, chunks, spec.record_decode_queries,
+                                                           w, keep_hidden)
+        except KVCacheOutOfMemory:   # the pool filled mid-forward: the step's sequences recompute later
+            for seq in decode + [item.seq for item in work]:
+                self.scheduler.preempt(seq)
             return [], None
-        done, rows = [], []
+        done, rows = list(decode), [logits] if decode else []
+        if decode:
+            ev = self.policy.decode_evictions(decode, kv, plan.rows, queries)
+            if ev is not None:
+                if ev.rows.numel():
+                    kv.release_one(ev.rows, ev.layers, ev.positions)
+                for seq, a in ev.actions:
+                    kv.set_precision(seq.request_id, a.layer, a.positions, a.precision)
         for item, res in zip(work, results):
             seq, state = item.seq, item.seq.prefill_state
             seq.num_computed_tokens = item.end
@@ -372,35 +387,23 @@ class LLMEngine:
                 k = min(w, n - 1)
                 ppl = self.runner.window_ppl(state["hidden"][-k - 1:], seq.all_token_ids[-k:])
             seq.prefilled, seq.prefill_state = True, None
-            view = PrefillView(seq, self.kv, n, state["queries"], seq.kv_budget, ppl)
+            view = PrefillView(seq, kv, n, state["queries"], seq.kv_budget, ppl)
             try:
                 for a in self.policy.on_prefill(view):
-                    self.kv.set_precision(seq.request_id, a.layer, a.positions, a.precision)
+                    kv.set_precision(seq.request_id, a.layer, a.positions, a.precision)
             except KVCacheOutOfMemory:
                 self.scheduler.preempt(seq)
                 continue
             done.append(seq)
-            rows.append(res.logits)
+            rows.append(res.logits[None])
+        if not done:
+            return [], None
         self._enforce_budget(done)
-        kept = [i for i, s in enumerate(done) if s.request_id in self.kv.seqs]   # not preempted by it
-        return [done[i] for i in kept], (torch.stack([rows[i] for i in kept]) if kept else None)
-
-    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One batched decode step: the policy picks each new token's precision per layer, the
-        cache places the batch (one plan), the model runs, the policy's evictions are applied in
-        one batched release, then the budget is checked for the whole batch at once."""
-        targets = self.policy.decode_targets(seqs, self.kv)
-        positions = torch.tensor([s.num_tokens - 1 for s in seqs], dtype=torch.int64)
-        plan = self.kv.plan_decode([s.request_id for s in seqs], positions, targets)
-        logits, queries = self.runner.decode(seqs, plan, self.policy.spec.record_decode_queries)
-        ev = self.policy.decode_evictions(seqs, self.kv, plan.rows, queries)
-        if ev is not None:
-            if ev.rows.numel():
-                self.kv.release_one(ev.rows, ev.layers, ev.positions)
-            for seq, a in ev.actions:
-                self.kv.set_precision(seq.request_id, a.layer, a.positions, a.precision)
-        self._enforce_budget(seqs)
-        return logits
+        logits = torch.cat(rows)
+        kept = [i for i, s in enumerate(done) if s.request_id in kv.seqs]   # not preempted by it
+        if len(kept) < len(done):
+            return [done[i] for i in kept], (logits[kept] if kept else None)
+        return done, logits
 
     def _enforce_budget(self, seqs: list[Sequence]) -> None:
         """The engine's guarantee, owned here: bytes held <= budget x full-KV bytes after every

@@ -38,37 +38,51 @@ class ModelRunner:
         self.model, self.kv, self.device = model, kv, device
 
     @torch.inference_mode()
-    def prefill(self, chunks: list[PrefillChunk], observation_window: int = 0,
-                keep_hidden: int = 0) -> list[PrefillResult]:
-        """Prefill ``chunks`` (tokens of one or several sequences) in one forward and store their
-        KV, each token at HIGH or, with ``chunk.targets``, at its target precision per layer.
+    def forward(self, seqs: list[Sequence], plan: DecodePlan | None, chunks: list[PrefillChunk],
+                record_queries: bool = False, observation_window: int = 0, keep_hidden: int = 0):
+        """One forward over a step's tokens: first one decode token for each of ``seqs`` (its
+        last token at its true position, its KV placed by ``plan``), then the prompt ``chunks``
+        of one or several sequences (vLLM v1's mixed batch). Linear layers see every token at
+        once; per layer, the decode rows are one store and one attention call over the plan's
+        block tables (nothing per sequence), and each chunk is one causal SDPA call.
 
         A chunk starting at 0 attends causally to itself; a later chunk of the same prompt also
         attends to every entry its sequence keeps so far (as the cache holds them: HIGH, or
         dequantized INT8 / INT4 for a policy that stores the prompt at its targets), read before
-        the chunk's own KV is stored. Linear layers see every chunk's tokens at once; attention
-        runs per chunk (one causal SDPA each).
+        the chunk's own KV is stored (each token at HIGH, or at ``chunk.targets`` per layer).
 
-        Returns, per chunk: the next-token logits ``[vocab]`` float32 after its last token (only
-        when ``is_last``), per layer the queries ``[min(w, n), Hq, D]`` of its last
+        Returns ``(decode_logits [B, vocab] float32 or None, decode_queries, results)``:
+        ``decode_queries`` per layer ``[B, Hq, D]`` when ``record_queries`` (else empty), and per
+        chunk a :class:`PrefillResult`: the next-token logits ``[vocab]`` after its last token
+        (only when ``is_last``), per layer the queries ``[min(w, n), Hq, D]`` of its last
         ``w = observation_window`` tokens, and its last ``keep_hidden`` final hidden states
-        ``[min(keep_hidden, n), hidden]`` (for the window perplexity: :meth:`window_ppl`).
+        (for the window perplexity: :meth:`window_ppl`).
 
         Raises:
-            KVCacheOutOfMemory: a chunk's pages do not fit (earlier layers may hold its KV: the
-                caller preempts the sequence).
+            KVCacheOutOfMemory: a chunk's pages do not fit (earlier layers may hold part of the
+                step's KV: the caller preempts the step's sequences).
         """
+        nd = len(seqs)
         sizes = [len(c.token_ids) for c in chunks]
-        ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
-        positions = torch.cat([torch.arange(c.start, c.start + n) for c, n in zip(chunks, sizes)]).to(self.device)
-        bounds = [0]
+        ids = [s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1] for s in seqs]
+        ids += [t for c in chunks for t in c.token_ids]
+        positions = torch.cat([torch.tensor([s.num_tokens - 1 for s in seqs], dtype=torch.long)]
+                              + [torch.arange(c.start, c.start + n) for c, n in zip(chunks, sizes)])
+        bounds = [nd]
         for n in sizes:
             bounds.append(bounds[-1] + n)
+        decode_queries: dict[int, torch.Tensor] = {}
         queries: list[dict[int, torch.Tensor]] = [{} for _ in chunks]
         kv = self.kv
 
         def attention(layer: int, q, k, v):
             outs = []
+            if nd:
+                qd, kd, vd = (q, k, v) if not chunks else (q[:nd], k[:nd], v[:nd])
+                kv.store(plan, layer, kd, vd)
+                if record_queries:
+                    decode_queries[layer] = qd.clone()
+                outs.append(kv.attend(plan, layer, qd, kd, vd))
             for i, c in enumerate(chunks):
                 a, b = bounds[i], bounds[i + 1]
                 qc, kc, vc = q[a:b], k[a:b], v[a:b]
@@ -83,13 +97,26 @@ class ModelRunner:
                     queries[i][layer] = qc[-observation_window:].clone()
             return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-        hidden = self.model(ids, positions, attention)
+        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), positions.to(self.device),
+                            attention)
         last = [i for i, c in enumerate(chunks) if c.is_last]
-        logits = self.model.logits(hidden[[bounds[i + 1] - 1 for i in last]]) if last else None
-        rows = dict(zip(last, logits)) if last else {}
-        return [PrefillResult(rows.get(i), queries[i],
-                              hidden[max(bounds[i], bounds[i + 1] - keep_hidden):bounds[i + 1]] if keep_hidden else None)
-                for i in range(len(chunks))]
+        rows = list(range(nd)) + [bounds[i + 1] - 1 for i in last]
+        logits = self.model.logits(hidden if len(rows) == hidden.shape[0] else hidden[rows]) if rows else None
+        chunk_logits = dict(zip(last, logits[nd:])) if last else {}
+        results = [PrefillResult(chunk_logits.get(i), queries[i],
+                                 hidden[max(bounds[i], bounds[i + 1] - keep_hidden):bounds[i + 1]] if keep_hidden else None)
+                   for i in range(len(chunks))]
+        return (logits[:nd] if nd else None), decode_queries, results
+
+    def prefill(self, chunks: list[PrefillChunk], observation_window: int = 0,
+                keep_hidden: int = 0) -> list[PrefillResult]:
+        """:meth:`forward` with prompt chunks only; returns the chunks' results."""
+        return self.forward([], None, chunks, False, observation_window, keep_hidden)[2]
+
+    def decode(self, seqs: list[Sequence], plan: DecodePlan, record_queries: bool = False):
+        """:meth:`forward` with decode rows only: ``(logits [B, vocab] float32, queries)``."""
+        logits, queries, _ = self.forward(seqs, plan, [], record_queries)
+        return logits, queries
 
     @torch.inference_mode()
     def window_ppl(self, hidden: torch.Tensor, token_ids: list[int]) -> float:
@@ -99,27 +126,3 @@ class ModelRunner:
         w = len(token_ids)
         logits = self.model.logits(hidden[:w])
         return float(torch.exp(F.cross_entropy(logits, torch.tensor(token_ids, device=logits.device))))
-
-    @torch.inference_mode()
-    def decode(self, seqs: list[Sequence], plan: DecodePlan, record_queries: bool = False):
-        """One decode step for ``seqs``: each feeds its last token at its true position. The KV
-        of the new tokens goes where ``plan`` (``KVCache.plan_decode``) put it, at the precision it
-        names; attention reads the plan's block tables. Per layer: one store per pool and one
-        attention call per pool, nothing per sequence.
-
-        Returns next-token logits ``[B, vocab]`` float32 and, when ``record_queries``, per layer
-        the step's queries ``[B, Hq, D]`` (else an empty dict).
-        """
-        ids = torch.tensor([s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1] for s in seqs],
-                           dtype=torch.long, device=self.device)
-        positions = torch.tensor([s.num_tokens - 1 for s in seqs], device=self.device)
-        queries: dict[int, torch.Tensor] = {}
-        kv = self.kv
-
-        def attention(layer: int, q, k, v):
-            kv.store(plan, layer, k, v)
-            if record_queries:
-                queries[layer] = q.clone()
-            return kv.attend(plan, layer, q, k, v)
-
-        return self.model.logits(self.model(ids, positions, attention)), queries

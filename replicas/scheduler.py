@@ -1,8 +1,8 @@
 """Continuous batching: admission by KV memory in compressed bytes, chunked prefill, preemption
 by recompute.
 
-Each step is either a prefill step (chunks of prompts, up to ``max_num_batched_tokens`` tokens in
-one forward) or a decode step (every sequence whose prompt is in the cache, one token each).
+A step prefills prompts (up to ``max_num_batched_tokens`` tokens in one forward), decodes every
+sequence whose prompt is in the cache (one token each), or, with chunked prefill, both at once.
 Admission counts *compressed* bytes: a prompt is prefilled (at HIGH, or for PASK at its table's
 precisions) and its policy compresses it to at most ``kv_budget`` x full KV when its last chunk is
 in, so the step needs the compressed size of every admitted sequence plus the largest transient
@@ -10,9 +10,10 @@ in, so the step needs the compressed size of every admitted sequence plus the la
 
 Without chunked prefill (vLLM's default before v1) a step prefills whole prompts, and a waiting
 prompt that fits goes before decoding: a 4K prompt stalls every running stream for its whole
-prefill. With ``enable_chunked_prefill`` a prompt longer than the step's token budget is
-prefilled over several steps, ``max_num_batched_tokens`` at a time, and while a prompt is in
-progress prefill and decode steps alternate, so running streams wait one chunk at most.
+prefill. With ``enable_chunked_prefill`` (vLLM v1's scheduling) every step decodes every
+prefilled sequence and fills the rest of its ``max_num_batched_tokens`` with prompt chunks, in
+the same forward: a long prompt is prefilled over several steps and running streams keep
+getting a token per step (each step as slow as its chunk).
 
 Before a decode step, a sequence whose next token needs new pages that the pool cannot give
 preempts the most recently admitted running sequences: their cache is freed and they wait at the
@@ -26,7 +27,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from replicas.kv_cache import KVCache
+from replicas.kv_cache import KVCache, Precision
 from replicas.sequence import Sequence, SequenceStatus
 
 
@@ -76,7 +77,6 @@ class Scheduler:
         self.cfg, self.kv = cfg, kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._last_was_prefill = False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -108,23 +108,22 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         chunked = self.cfg.enable_chunked_prefill
-        ready = [s for s in self.running if s.prefilled]
-        if chunked and ready and self._last_was_prefill:
-            self._last_was_prefill = False      # prefill and decode take turns
-            return self._decode(out)
-        budget_tokens = self.cfg.max_num_batched_tokens
-        for seq in self.running:                # prompts already in progress go first
-            if not seq.prefilled and budget_tokens > 0:
-                end = min(seq.num_tokens, seq.num_computed_tokens + budget_tokens)
-                out.prefill.append(PrefillWork(seq, seq.num_computed_tokens, end))
-                budget_tokens -= end - seq.num_computed_tokens
-        reserve = self.kv.next_step_bytes([s.request_id for s in ready])
+        if chunked:                 # every prefilled sequence decodes in every step, beside chunks
+            self._decode(out)
+        decoding = out.decode if chunked else [s for s in self.running if s.prefilled]
+        reserve = self.kv.next_step_bytes([s.request_id for s in decoding])
+        budget_tokens = self.cfg.max_num_batched_tokens - len(out.decode)
         held, transient = 0, 0
-        for seq in self.running:                # what prompts in progress still need
-            if not seq.prefilled:
-                full, compressed = self._sizes(seq)
-                held += max(0, compressed - self.kv.sequence_bytes(seq.request_id))
-                transient = max(transient, full - compressed)
+        for seq in self.running:    # prompts in progress: their next chunk, and what they still need
+            if seq.prefilled:
+                continue
+            full, compressed = self._sizes(seq)
+            held += max(0, compressed - self.kv.sequence_bytes(seq.request_id))
+            transient = max(transient, full - compressed)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget_tokens)
+            if n > 0 and reserve + self._chunk_bytes(n) <= self.kv.bytes_free:
+                out.prefill.append(PrefillWork(seq, seq.num_computed_tokens, seq.num_computed_tokens + n))
+                budget_tokens -= n
         while self.waiting and len(self.running) < self.cfg.max_num_seqs and budget_tokens > 0:
             seq = self.waiting[0]
             full, compressed = self._sizes(seq)
@@ -141,11 +140,13 @@ class Scheduler:
             held += compressed
             transient = max(transient, full - compressed)
             budget_tokens -= end
-        if out.prefill:
-            self._last_was_prefill = True
+        if out.prefill or chunked:
             return out
-        self._last_was_prefill = False
         return self._decode(out)
+
+    def _chunk_bytes(self, n: int) -> int:
+        """The most a chunk of ``n`` prompt tokens can add: HIGH in every layer, plus a page."""
+        return self.kv.full_kv_bytes(n) + self.kv.cfg.num_layers * self.kv.page_cost(Precision.HIGH)
 
     def _sizes(self, seq: Sequence) -> tuple[int, int]:
         """Full-KV and compressed bytes of ``seq``'s tokens (compressed: ``kv_budget`` x full)."""

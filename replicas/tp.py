@@ -116,28 +116,32 @@ class MirroredKVCache:
 
 
 class MirroredRunner:
-    """Rank 0's model runner: prefill / decode are broadcast, then run locally."""
+    """Rank 0's model runner: a forward is broadcast (with the deferred KV mutations), then run
+    locally. The decode plan itself was built on every rank by the mirrored ``kv.plan_decode``."""
 
     def __init__(self, local, broadcaster: Broadcaster):
         self._local, self._bcast = local, broadcaster
 
+    def forward(self, seqs, plan, chunks, record_queries: bool = False, observation_window: int = 0,
+                keep_hidden: int = 0):
+        last = [s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1] for s in seqs]
+        self._bcast.send("forward", [(s.request_id, t, s.num_tokens) for s, t in zip(seqs, last)], chunks)
+        return self._local.forward(seqs, plan, chunks, record_queries, observation_window, keep_hidden)
+
     def prefill(self, chunks, observation_window: int = 0, keep_hidden: int = 0):
-        self._bcast.send("prefill", chunks)
-        return self._local.prefill(chunks, observation_window, keep_hidden)
+        return self.forward([], None, chunks, False, observation_window, keep_hidden)[2]
+
+    def decode(self, seqs, plan, record_queries: bool = False):
+        logits, queries, _ = self.forward(seqs, plan, [], record_queries)
+        return logits, queries
 
     def window_ppl(self, hidden, token_ids):
         return self._local.window_ppl(hidden, token_ids)
 
-    def decode(self, seqs, plan, record_queries: bool = False):
-        """The plan itself was built on every rank by the mirrored ``kv.plan_decode`` just before."""
-        last = [s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1] for s in seqs]
-        self._bcast.send("decode", [(s.request_id, t, s.num_tokens) for s, t in zip(seqs, last)], record_queries)
-        return self._local.decode(seqs, plan, record_queries)
-
 
 class _Stub:
-    """What a worker's runner reads of a sequence in a decode step: its id, its last token and
-    its length (a prefill step sends the ``PrefillChunk`` s themselves)."""
+    """What a worker's runner reads of a decoding sequence: its id, its last token and its
+    length (prompt chunks travel as the ``PrefillChunk`` s themselves)."""
 
     def __init__(self, request_id, token_ids, num_tokens=None):
         self.request_id, self.all_token_ids = request_id, token_ids
@@ -163,10 +167,9 @@ def worker_main(rank: int, world_size: int, port: int, config, addr: str = "127.
                 result = getattr(kv, method[3:])(*args)
                 if method == "kv.plan_decode":
                     plan = result          # the step's plan, read by the "decode" that follows
-            elif method == "prefill":
-                runner.prefill(args[0])
-            elif method == "decode":
-                runner.decode([_Stub(rid, [tok], n) for rid, tok, n in args[0]], plan, args[1])
+            elif method == "forward":
+                seqs = [_Stub(rid, [tok], n) for rid, tok, n in args[0]]
+                runner.forward(seqs, plan if seqs else None, args[1])
     dist.destroy_process_group()
 
 

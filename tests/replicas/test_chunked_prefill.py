@@ -64,19 +64,20 @@ def test_pask_stores_each_chunk_at_its_targets_and_stays_within_budget_plus_a_ch
     assert _kept(eng, "r") == _kept(whole, "r")      # the same table decisions, position by position
 
 
-def test_running_streams_decode_between_the_chunks_of_a_long_prompt(chat_prompts):
+def test_running_streams_decode_in_every_step_while_a_long_prompt_is_prefilled(chat_prompts):
     eng = _chunked(max_num_batched_tokens=64)
     eng.add_request("running", chat_prompts[0][:60], SamplingParams(max_tokens=40, ignore_eos=True))
     eng.step()                                          # its whole prompt fits one chunk
     long = chat_prompts[2]
     eng.add_request("long", long, SamplingParams(max_tokens=2, ignore_eos=True))
-    kinds = []
+    steps, advanced = 0, 0
     while not eng._seqs["long"].prefilled:
         before = len(eng._seqs["running"].output_token_ids)
         eng.step()
-        kinds.append("decode" if len(eng._seqs["running"].output_token_ids) > before else "prefill")
-    assert kinds.count("prefill") == -(-len(long) // 64)
-    assert "prefill,prefill" not in ",".join(kinds)      # never two chunks in a row
+        steps += 1
+        advanced += len(eng._seqs["running"].output_token_ids) > before
+    assert steps == -(-len(long) // 63)                 # 64 tokens a step, one of them the stream's
+    assert advanced == steps                            # a token for the stream in every step
     whole = LLMEngine(EngineConfig(kv_cache_bytes=64 << 20, max_num_batched_tokens=64))
     whole.add_request("running", chat_prompts[0][:60], SamplingParams(max_tokens=40, ignore_eos=True))
     whole.step()
@@ -86,11 +87,30 @@ def test_running_streams_decode_between_the_chunks_of_a_long_prompt(chat_prompts
     assert len(whole._seqs["running"].output_token_ids) == before and whole._seqs["long"].prefilled
 
 
+def test_mixed_steps_give_the_same_tokens(engine, chat_prompts):
+    """Requests arriving while others decode: with chunked prefill their chunks share forwards
+    with the decode batch; every request's greedy tokens equal its solo run."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    solo = [engine.generate([p], params)[0].token_ids for p in chat_prompts[:3]]
+    eng = _chunked(max_num_batched_tokens=80)
+    got = {}
+    for i in range(200):
+        if i in (0, 2, 5):
+            eng.add_request(f"r{(0, 2, 5).index(i)}", chat_prompts[(0, 2, 5).index(i)], params)
+        for out in eng.step():
+            if out.finished:
+                got[out.request_id] = out.token_ids
+        if len(got) == 3:
+            break
+    assert [got[f"r{i}"] for i in range(3)] == solo
+    assert eng.kv.bytes_used == 0
+
+
 def test_several_prompts_share_one_prefill_forward(engine, chat_prompts, monkeypatch):
     prompts = chat_prompts[:5]
     calls = []
-    real = engine.runner.prefill
-    monkeypatch.setattr(engine.runner, "prefill", lambda chunks, *a: calls.append(len(chunks)) or real(chunks, *a))
+    real = engine.runner.forward
+    monkeypatch.setattr(engine.runner, "forward", lambda seqs, plan, chunks, *a: calls.append(len(chunks)) or real(seqs, plan, chunks, *a))
     outs = engine.generate(prompts, GREEDY)
     assert calls[0] == 5                                # every prompt in the first forward
     solo = [engine.generate([p], GREEDY)[0].token_ids for p in prompts]
