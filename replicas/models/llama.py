@@ -46,7 +46,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qk_norm: bool = False          # Qwen3: RMSNorm on q and k per head, before RoPE
-    attention_bias: bool = False   # Qwen2: bias on q, k, v
+    attention_bias: bool = False   # Qwen2: bias on q, k, v (not o)
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self):
@@ -61,6 +61,7 @@ class ModelConfig:
         if arch is None:
             raise UnsupportedModelError(f"architectures {archs} not supported; "
                                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        _refuse_unsupported(hf, arch)
         rope_scaling = hf.get("rope_scaling") or (hf.get("rope_parameters") or {})
         if rope_scaling.get("rope_type", rope_scaling.get("type", "default")) not in ("default", None):
             raise UnsupportedModelError(f"rope scaling {rope_scaling} is not supported")
@@ -75,8 +76,29 @@ class ModelConfig:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qk_norm=arch == "qwen3", attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),
+            # Qwen2 always has q / k / v biases (transformers ignores its config's attention_bias)
+            qk_norm=arch == "qwen3", attention_bias=arch == "qwen2",
             eos_token_ids=tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else [])))
+
+
+def _refuse_unsupported(hf: dict, arch: str) -> None:
+    """Raise UnsupportedModelError naming each setting of a Hugging Face config that this
+    decoder does not implement (it would otherwise load and compute something else)."""
+    problems = []
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {hf['hidden_act']!r} (only silu)")
+    if hf.get("mlp_bias"):
+        problems.append("mlp_bias (MLP projections with biases)")
+    if arch != "qwen2" and hf.get("attention_bias"):
+        problems.append("attention_bias on q / k / v / o (only Qwen2's q / k / v biases)")
+    if hf.get("use_sliding_window") or (arch == "llama" and hf.get("sliding_window")):
+        problems.append(f"sliding-window attention (sliding_window {hf.get('sliding_window')})")
+    other_layers = sorted({t for t in hf.get("layer_types") or [] if t != "full_attention"})
+    if other_layers:
+        problems.append(f"layer_types {other_layers} (only full_attention)")
+    if problems:
+        raise UnsupportedModelError(f"{hf.get('architectures')} with " + "; ".join(problems)
+                                    + " is not supported")
 
 
 class RMSNorm(nn.Module):
