@@ -157,7 +157,8 @@ def test_tools_grammar_on_real_qwen3_tool_call_tokens(family_engine):
     ({"attention_bias": True}, "attention_bias"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding_attention"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope scaling"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs numbers"),
 ])
 def test_unsupported_settings_are_named(change, match):
     from replicas.models import ModelConfig
@@ -166,3 +167,24 @@ def test_unsupported_settings_are_named(change, match):
     ModelConfig.from_hf(hf)   # the base config is fine
     with pytest.raises(UnsupportedModelError, match=match):
         ModelConfig.from_hf({**hf, **change})
+
+
+def test_llama31_rope_scaling_matches_transformers(tmp_path):
+    """Llama 3.1's ``rope_type: llama3`` at settings where it moves most frequencies (a 64-token
+    original context), so an unscaled RoPE would not match."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from replicas.models.llama import llama3_inv_freq
+    torch.manual_seed(0)
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      rope_parameters=rope)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    ours = load_model(tmp_path)
+    assert ours.config.llama3_rope == (8.0, 1.0, 4.0, 64.0)
+    inv = 1.0 / 10000.0 ** (torch.arange(0, 16, 2).float() / 16)
+    assert (llama3_inv_freq(inv, *ours.config.llama3_rope) != inv).sum() >= 4
+    got, ref = ours_vs_hf(tmp_path, torch.randint(0, 300, (80,)))
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
