@@ -236,16 +236,16 @@ def tokenizer_dir(name: str = "qwen3", cache_dir: str | Path | None = None) -> P
     folder = root / "tokenizers" / f"{name}-{vocab.package}-{version}-b{BUILD_VERSION}"
     if (folder / "tokenizer.json").is_file():
         return folder
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root) as tmp:   # written whole, then renamed into place
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-")   # written whole, then renamed
+    try:
         build_tokenizer(name).save_pretrained(tmp)
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.rename(tmp, folder)
-        except OSError:           # another process won the race: its files are the same
-            if not (folder / "tokenizer.json").is_file():
-                raise
-        os.makedirs(tmp, exist_ok=True)   # for TemporaryDirectory's cleanup
+        os.rename(tmp, folder)
+    except OSError:
+        if not (folder / "tokenizer.json").is_file():   # else another process won the race: same files
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 
