@@ -243,9 +243,14 @@ class KVCache:
         if pool.bits == 0:
             pool.flat(pool.k)[flat] = k.to(pool.data_dtype)
             pool.flat(pool.v)[flat] = v.to(pool.data_dtype)
-        else:
+        elif kernels.use_triton(self.device):
             kernels.quantize_store(k, pool.flat(pool.k), pool.flat(pool.k_scale), flat, pool.bits)
             kernels.quantize_store(v, pool.flat(pool.v), pool.flat(pool.v_scale), flat, pool.bits)
+        else:   # the reference: keys and values quantized in one call (scales are per row)
+            n = k.shape[0]
+            data, scale = kernels.quantize_ref(torch.cat([k, v]), pool.bits)
+            pool.flat(pool.k)[flat], pool.flat(pool.v)[flat] = data[:n], data[n:]
+            pool.flat(pool.k_scale)[flat], pool.flat(pool.v_scale)[flat] = scale[:n], scale[n:]
 
     def _read(self, precision: Precision, flat: torch.Tensor):
         pool, flat = self.pools[precision], flat.to(self.device)

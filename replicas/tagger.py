@@ -16,6 +16,7 @@ near-critical (only the past is known when a token is generated).
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass
 
 
@@ -74,6 +75,7 @@ def bucket_of(tag: Tag) -> int:
 
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_ROLE_AND_RESPONSIBILITY = operator.itemgetter(0, 1)   # max() key over (role, responsibility, value type)
 
 
 @dataclass
@@ -236,7 +238,7 @@ class StructuralTagger:
     def feed(self, token_text: str) -> Tag:
         """Tag the next generated token from its decoded text."""
         roles = self._consume(token_text) or [(Role.WHITESPACE, Responsibility.NONE, "")]
-        role, resp, value_type = max(roles, key=lambda r: (r[0], r[1]))
+        role, resp, value_type = max(roles, key=_ROLE_AND_RESPONSIBILITY)   # the first of the highest
         critical = role in (Role.FUNCTION_NAME, Role.ENUM_VALUE) or (
             role == Role.ARG_KEY and resp == Responsibility.REQUIRED)
         near = not critical and self._since_critical <= self.near_k
