@@ -174,8 +174,8 @@ def test_cli_bad_data_writes_nothing(tmp_path, capsys, command):
 
 
 # ---------------------------------------------------------------------------- end to end
-# Kept small (one or two dev examples, short generations): each PASK run is some 60 probes.
-PASK_SMALL = ["--num-groups", "1", "--max-new-tokens", "12", "--distortion-examples", "1", "--no-progress",
+# Kept small (one dev example for PASK, whose run is some 60 probes; a few CompilerKV rollouts).
+PASK_SMALL = ["--num-groups", "1", "--max-new-tokens", "8", "--distortion-examples", "1", "--no-progress",
               "--executor", "local"]
 
 
@@ -185,58 +185,52 @@ def _main(*argv) -> int:
 
 
 @pytest.mark.slow
-def test_pask_on_a_bfcl_file_end_to_end_loads_in_the_policy(tmp_path):
+def test_compilerkv_on_a_bfcl_file_same_seed_same_tables_and_the_policy_loads_them(tmp_path):
     from calibration.artifacts import load_artifact
-    from replicas.policies.pask import PASKPolicy
+    from replicas.policies import CompilerKVPolicy
     f = _bfcl_file(tmp_path / "data", 8)
-    assert _main("pask", "--model", EMBEDDED_MODEL_DIR, "--out", tmp_path / "a", "--data", f, "--limit", 2,
-                 "--seed", 5, *PASK_SMALL) == 0
-    art = load_artifact(tmp_path / "a", "pask", EMBEDDED_MODEL_DIR)
-    data = art.meta["data"]
-    assert data["format"] == "bfcl" and data["path"] == str(f.resolve()) and data["seed"] == 5
-    assert data["answers"] == str((tmp_path / "data" / "possible_answer" / f.name).resolve())
-    assert (data["examples"], data["dev"], data["held_out"]) == (2, 1, 1)
-    assert data["dev_ids"] == load_split(f, seed=5, limit=2).source["dev_ids"]
-    assert sum(art.meta["sides"]["prompt"]["counts"]) > 0 and sum(art.meta["sides"]["decode"]["counts"]) == 12
-    assert f"--data {f.resolve()}" in art.meta["build_command"] and "--limit 2" in art.meta["build_command"]
-    policy = PASKPolicy()
-    policy.bind_model(EMBEDDED_MODEL_DIR)           # the shipped table, then the new one swapped in
-    policy.swap_table(tmp_path / "a", EMBEDDED_MODEL_DIR)
-    assert policy.table.layer_groups == [(0, 6)]
-    # the run folder is refused for another split of the data (nothing else is written)
-    before = (tmp_path / "a" / "manifest.json").read_text()
-    assert _main("pask", "--model", EMBEDDED_MODEL_DIR, "--out", tmp_path / "a", "--data", f, "--limit", 2,
-                 "--seed", 6, *PASK_SMALL) == 2
-    assert (tmp_path / "a" / "manifest.json").read_text() == before
+    arts = {}
+    for name in ("a", "b"):
+        assert _main("compilerkv", "--model", EMBEDDED_MODEL_DIR, "--out", tmp_path / name, "--data", f, "--limit", 4,
+                     "--seed", 5, "--budgets", 64, "--rounds", 1, "--round-size", 4, "--executor", "local",
+                     "--no-progress") == 0
+        arts[name] = load_artifact(tmp_path / name, "compilerkv", EMBEDDED_MODEL_DIR)
+    a, b = arts["a"], arts["b"]
+    assert a.tables.keys() == b.tables.keys()
+    for t in a.tables:
+        assert torch.equal(a.tables[t], b.tables[t]), t
+    data = a.meta["data"]
+    assert data == b.meta["data"] and data["format"] == "bfcl" and data["path"] == str(f.resolve())
+    assert data["answers"] == str((tmp_path / "data" / "possible_answer" / f.name).resolve()) and data["seed"] == 5
+    assert (data["examples"], data["dev"], data["held_out"]) == (4, 2, 2)
+    assert data["dev_ids"] == load_split(f, seed=5, limit=4).source["dev_ids"]
+    assert f"--data {f.resolve()}" in a.meta["build_command"] and "--limit 4" in a.meta["build_command"]
+    policy = CompilerKVPolicy(tables=str(tmp_path / "a"))
+    policy.bind_model(EMBEDDED_MODEL_DIR)
+    assert policy.tables.head_weights.shape == (1, 6, 8)
 
 
 @pytest.mark.slow
-def test_openai_jsonl_end_to_end_same_seed_same_tables_and_the_engine_loads_them(tmp_path):
+def test_pask_on_an_openai_jsonl_end_to_end_loads_in_the_engine(tmp_path):
     from calibration.artifacts import load_artifact
     from replicas.config import EngineConfig
     from replicas.engine import LLMEngine
-    from replicas.policies import CompilerKVTables
-    rows = _openai_rows(1)
-    f = _write_jsonl(tmp_path / "dev.jsonl", rows)        # 3 tool-call examples and 1 response_format one
-    assert _main("pask", "--model", EMBEDDED_MODEL_DIR, "--out", tmp_path / "pask", "--data", f, *PASK_SMALL) == 0
-    pask = load_artifact(tmp_path / "pask", "pask", EMBEDDED_MODEL_DIR)
-    assert pask.meta["data"]["format"] == "openai" and (pask.meta["data"]["dev"], pask.meta["data"]["held_out"]) == (2, 2)
-    ckv = {}
-    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
-        assert _main("compilerkv", "--model", EMBEDDED_MODEL_DIR, "--out", tmp_path / name, "--data", f,
-                     "--seed", seed, "--budgets", 64, "--rounds", 1, "--round-size", 4, "--executor", "local",
-                     "--no-progress") == 0
-        ckv[name] = load_artifact(tmp_path / name, "compilerkv", EMBEDDED_MODEL_DIR)
-    for t in ckv["a"].tables:
-        assert torch.equal(ckv["a"].tables[t], ckv["b"].tables[t]), t
-    assert ckv["a"].meta["data"] == ckv["b"].meta["data"]
-    assert ckv["a"].meta["data"]["dev_ids"] == pask.meta["data"]["dev_ids"]     # same seed, same split
-    assert ckv["c"].meta["data"]["dev_ids"] != ckv["a"].meta["data"]["dev_ids"]
-    assert CompilerKVTables.from_tables(ckv["a"].tables).head_weights.shape[0] == 1
-    eng = LLMEngine(EngineConfig(kv_policy="compilerkv+pask", kv_cache_bytes=8 << 20, max_num_seqs=2,
-                                 kv_policy_args={"compilerkv_tables": str(tmp_path / "a")}))
+    f = _write_jsonl(tmp_path / "dev.jsonl", _openai_rows(1))   # 3 tool-call examples, 1 response_format
+    argv = ("pask", "--model", EMBEDDED_MODEL_DIR, "--out", tmp_path / "pask", "--data", f, "--dev-fraction", 0.25,
+            *PASK_SMALL)
+    assert _main(*argv) == 0
+    art = load_artifact(tmp_path / "pask", "pask", EMBEDDED_MODEL_DIR)
+    data = art.meta["data"]
+    assert data["format"] == "openai" and (data["examples"], data["dev"], data["held_out"]) == (4, 1, 3)
+    assert data["dev_ids"] == load_split(f, dev_fraction=0.25).source["dev_ids"] and data["sha256"]
+    assert sum(art.meta["sides"]["prompt"]["counts"]) > 0 and 0 < sum(art.meta["sides"]["decode"]["counts"]) <= 8
+    eng = LLMEngine(EngineConfig(kv_policy="pask", kv_cache_bytes=8 << 20, max_num_seqs=2))
     eng.load_table("pask", tmp_path / "pask", "user-v1")
-    assert eng.table_versions["pask"] == "user-v1" and eng.policy.decode.table.layer_groups == [(0, 6)]
+    assert eng.table_versions["pask"] == "user-v1" and eng.policy.table.layer_groups == [(0, 6)]
+    # the run folder is refused for another split of the data; the artifact stays as it was
+    before = (tmp_path / "pask" / "manifest.json").read_text()
+    assert _main(*argv, "--seed", 1) == 2
+    assert (tmp_path / "pask" / "manifest.json").read_text() == before
 
 
 @pytest.mark.slow
