@@ -238,10 +238,10 @@ def test_pask_on_an_openai_jsonl_end_to_end_loads_in_the_engine(tmp_path):
 def test_pask_on_user_data_same_table_with_ray_and_local(micro_model, tmp_path, ray_cluster):
     from calibration.executors import LocalExecutor, RayExecutor
     from calibration.pask import Calibrator, PASKCalibrationConfig, ProbeWorker
-    split = load_split(_write_jsonl(tmp_path / "dev.jsonl", _openai_rows(1)), seed=0)
-    cfg = PASKCalibrationConfig(str(micro_model), num_groups=2, distortion_examples=1, max_new_tokens=6,
-                                data=split.source["path"])
-    args = (str(micro_model), [], 0, 2, 6, split.dev)
+    split = load_split(_write_jsonl(tmp_path / "dev.jsonl", _openai_rows(1)), dev_fraction=0.25, seed=0)
+    cfg = PASKCalibrationConfig(str(micro_model), num_groups=1, distortion_examples=1, max_new_tokens=6,
+                                data=split.source["path"], dev_fraction=0.25)
+    args = (str(micro_model), [], 0, 1, 6, split.dev)
     runs = {}
     for kind in ("local", "ray"):
         ex = (LocalExecutor(lambda: ProbeWorker(*args)) if kind == "local"
