@@ -256,6 +256,7 @@ def _check_tools(tools: Any, where: str) -> list[dict]:
 
 
 def _expected_calls(calls: Any, tools: list[dict], where: str) -> list[dict]:
+    """The expected calls as ``[{"name", "arguments"}]``."""
     if not isinstance(calls, list):
         raise CalibrationDataError(f"{where}: 'tool_calls' must be a list (empty: no call expected)")
     names = {t["function"]["name"] for t in tools}
@@ -275,8 +276,22 @@ def _expected_calls(calls: Any, tools: list[dict], where: str) -> list[dict]:
         if fn["name"] not in names:
             raise CalibrationDataError(f"{where}: tool_calls[{i}] calls {fn['name']!r}, which is not among the tools "
                                        f"{sorted(names)}")
-        out.append({fn["name"]: {k: [_truth_value(v)] for k, v in args.items()}})
+        out.append({"name": fn["name"], "arguments": args})
     return out
+
+
+def _check_scorable(item: CalItem, answer: str, where: str) -> CalItem:
+    """The expected answer must pass the checker against the example's own tools or schema (an
+    argument the schema does not name, a value of the wrong type, a type the checker cannot read)."""
+    try:
+        ok = item.score(answer)
+    except ValueError as e:
+        raise CalibrationDataError(f"{where}: the checker cannot score this example ({e})") from None
+    if not ok:
+        what = "tools" if item.schema is None else "schema"
+        raise CalibrationDataError(f"{where}: the expected answer does not pass the checker against the example's "
+                                   f"own {what} (an argument outside the schema, or a value of the wrong type?)")
+    return item
 
 
 def _shape(calls: list[dict], num_tools: int) -> str:
@@ -326,8 +341,11 @@ def load_openai(path: Path, limit: int | None = None) -> list[CalItem]:
             else:
                 raise CalibrationDataError(f"{where}: no expected answer: add 'tool_calls' (or [] for no call), or end "
                                            f"'messages' with the expected assistant turn")
-            gt = _expected_calls(expected, tools, where)
-            items.append(CalItem(qid, _shape(gt, len(tools)), messages, tools, tools, gt))
+            calls = _expected_calls(expected, tools, where)
+            gt = [{c["name"]: {k: [_truth_value(v)] for k, v in c["arguments"].items()}} for c in calls]
+            from models.chat import render_answer
+            items.append(_check_scorable(CalItem(qid, _shape(gt, len(tools)), messages, tools, tools, gt),
+                                         render_answer(calls), where))
             continue
         rf = row["response_format"]
         schema = rf.get("json_schema", {}).get("schema") if isinstance(rf, dict) and isinstance(rf.get("json_schema"), dict) else None
@@ -351,8 +369,9 @@ def load_openai(path: Path, limit: int | None = None) -> list[CalItem]:
             raise CalibrationDataError(f"{where}: 'expected_json' does not follow the schema ({e.message})") from None
         except jsonschema.SchemaError as e:
             raise CalibrationDataError(f"{where}: 'response_format' schema is invalid ({e.message})") from None
-        items.append(CalItem(qid, "json", messages, None, [], [], schema,
-                             bool(rf["json_schema"].get("strict", False)), value))
+        items.append(_check_scorable(CalItem(qid, "json", messages, None, [], [], schema,
+                                             bool(rf["json_schema"].get("strict", False)), value),
+                                     json.dumps(value), where))
     return items
 
 

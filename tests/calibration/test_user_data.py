@@ -106,7 +106,8 @@ def test_split_is_seeded():
 
 
 @pytest.mark.parametrize("case", ["missing", "bad_json", "no_answer", "no_answer_bfcl", "no_answer_file", "empty_split",
-                                  "empty_file", "unknown_tool", "bad_messages", "json_mismatch", "neither"])
+                                  "empty_file", "unknown_tool", "bad_messages", "json_mismatch", "neither",
+                                  "bad_argument", "unscorable"])
 def test_bad_data_is_a_clear_error(tmp_path, case):
     rows = _openai_rows(1)
     expected = {"missing": "data file not found", "bad_json": ":3: not valid JSON",
@@ -115,7 +116,9 @@ def test_bad_data_is_a_clear_error(tmp_path, case):
                 "empty_file": "no examples", "unknown_tool": "calls 'nope', which is not among the tools",
                 "bad_messages": ":1: messages[0].content must be a string",
                 "json_mismatch": "'expected_json' does not follow the schema",
-                "neither": "give either 'tools'"}[case]
+                "neither": "give either 'tools'",
+                "bad_argument": ":2: the expected answer does not pass the checker against the example's own tools",
+                "unscorable": ":4: the checker cannot score this example (unknown BFCL type"}[case]
     f, kw = tmp_path / "data.jsonl", {}
     if case == "missing":
         f = tmp_path / "nope.jsonl"
@@ -144,6 +147,13 @@ def test_bad_data_is_a_clear_error(tmp_path, case):
         _write_jsonl(f, rows)
     elif case == "json_mismatch":
         rows[-1]["expected_json"] = {"ok": "yes", "level": "high"}
+        _write_jsonl(f, rows)
+    elif case == "bad_argument":
+        rows[1]["tool_calls"][0]["function"]["arguments"] = json.dumps({"not_a_parameter": 1})
+        _write_jsonl(f, rows)
+    elif case == "unscorable":
+        rows[-1]["response_format"]["json_schema"]["schema"] = {
+            "type": "object", "properties": {"ok": {"type": ["boolean", "null"]}, "level": {"enum": ["low", "high"]}}}
         _write_jsonl(f, rows)
     elif case == "neither":
         rows[1].pop("tools")
