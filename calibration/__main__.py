@@ -2,6 +2,7 @@
 
     python -m calibration pask --model PATH --out DIR [--publish]     # calibrate (Ray tasks)
     python -m calibration compilerkv --model PATH --out DIR           # compile CompilerKV tables
+    python -m calibration pask --model PATH --out DIR --data FILE     # ... on your data (calibration/data.py)
     python -m calibration publish --kind pask --artifact DIR [--version V] [--store DIR]
     python -m calibration versions --kind pask
     python -m calibration rollback --kind pask --version V

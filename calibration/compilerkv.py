@@ -1,9 +1,11 @@
 """Offline compilation of the CompilerKV tables (design section 5.2-5.3).
 
     python -m calibration compilerkv --model PATH --out DIR [--executor ray|local] [--budgets 256 512 1024]
+    python -m calibration compilerkv --model PATH --out DIR --data FILE [--answers FILE] [--dev-fraction F] [--limit N]
 
-Unlabeled prompts (the synthetic development split: ``long_context`` and the shorter categories)
-and their full-KV greedy continuations are the data. A *rollout* compresses one prompt's prefill KV
+Unlabeled prompts (the synthetic development split: ``long_context`` and the shorter categories;
+or with ``--data`` the prompts of the dev part of the user's file, split by ``calibration.data`` and
+recorded in the manifest) and their full-KV greedy continuations are the data. A *rollout* compresses one prompt's prefill KV
 with chosen head weights and thresholds (``replicas.policies.compilerkv``) and replays the
 continuation (``calibration.replay``); its reward is
 
@@ -50,7 +52,10 @@ class CompilerKVCalibrationConfig:
         epsilon: exploration rate; price: memory price (nats per full token budget).
         entropy_bins / ppl_bins: gate context bins (perplexity edges from the data's quantiles).
         window / kernel: the utility's observation window and pooling width.
-        seed: RNG seed of arm draws.
+        seed: RNG seed of arm draws and of the data split.
+        data: the user's data file (None: the synthetic task; then ``long_prompts`` and
+            ``short_prompts`` apply); answers, data_format, dev_fraction, limit: see
+            :func:`calibration.data.load_split`.
     """
     model: str
     budgets: tuple[int, ...] = (256, 512, 1024)
@@ -66,6 +71,11 @@ class CompilerKVCalibrationConfig:
     window: int = 32
     kernel: int = 21
     seed: int = 0
+    data: str | None = None
+    answers: str | None = None
+    data_format: str = "auto"
+    dev_fraction: float = 0.5
+    limit: int | None = None
 
 
 def _prompts(cfg_long: int, cfg_short: int):
@@ -77,14 +87,15 @@ def _prompts(cfg_long: int, cfg_short: int):
 
 
 class CompilerKVWorker:
-    """Runs rollouts for one model (one per process or Ray actor)."""
+    """Runs rollouts for one model (one per process or Ray actor), on the synthetic dev prompts or
+    on ``examples`` (anything with ``messages`` and ``tools``: ``calibration.data.CalItem``) when given."""
 
     def __init__(self, model: str, long_prompts: int, short_prompts: int, continuation_tokens: int,
-                 window: int, kernel: int):
+                 window: int, kernel: int, examples: list | None = None):
         from replicas.config import EngineConfig
         from replicas.engine import LLMEngine
         self.engine = LLMEngine(EngineConfig(model=model, max_num_seqs=8))
-        self.examples = _prompts(long_prompts, short_prompts)
+        self.examples = list(examples) if examples is not None else _prompts(long_prompts, short_prompts)
         self.m, self.window, self.kernel = continuation_tokens, window, kernel
         self._data = None
 
@@ -180,8 +191,11 @@ class Bandit:
         c[arm] += 1
 
 
-def compile_tables(cfg: CompilerKVCalibrationConfig, out: Path, executor, progress: bool = True, log=None):
-    """Run the bandits; return the ``compilerkv`` TableArtifact (see the module docstring)."""
+def compile_tables(cfg: CompilerKVCalibrationConfig, out: Path, executor, progress: bool = True, log=None,
+                   data=None):
+    """Run the bandits; return the ``compilerkv`` TableArtifact (see the module docstring).
+    ``data``: the ``calibration.data.DataSplit`` the executor's workers run on (None: the synthetic
+    prompts), recorded in the run's settings and the manifest."""
     from calibration.artifacts import TableArtifact, build_command, model_fingerprint
     from calibration.executors import open_run, run_probes
     from models import resolve_checkpoint
@@ -189,7 +203,10 @@ def compile_tables(cfg: CompilerKVCalibrationConfig, out: Path, executor, progre
     log = log or (lambda m: print(m, file=sys.stderr))
     model_dir = resolve_checkpoint(cfg.model)
     out = Path(out)
-    cache = open_run(out, {**asdict(cfg), "model": str(model_dir)})
+    settings = {**asdict(cfg), "model": str(model_dir)}
+    if data is not None:
+        settings["data_sha256"], settings["dev_ids"] = data.source["sha256"], data.source["dev_ids"]
+    cache = open_run(out, settings)
     mc = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
     L, H = mc.num_layers, mc.num_heads
     t0 = time.monotonic()
@@ -239,8 +256,9 @@ def compile_tables(cfg: CompilerKVCalibrationConfig, out: Path, executor, progre
                           "weight_arms": list(WEIGHT_ARMS), "gate_arms": list(GATE_ARMS),
                           "reward": "-(NLL_compressed - NLL_full) - price * kept / B", "price": cfg.price,
                           "rollouts": cfg.rounds * cfg.round_size},
-            "data": {"split": "dev", "long_context": cfg.long_prompts, "short_per_category": cfg.short_prompts,
-                     "continuation_tokens": cfg.continuation_tokens},
+            "data": ({"split": "dev", "long_context": cfg.long_prompts, "short_per_category": cfg.short_prompts,
+                      "continuation_tokens": cfg.continuation_tokens} if data is None
+                     else {**data.source, "continuation_tokens": cfg.continuation_tokens}),
             "settings": {k: v for k, v in asdict(cfg).items() if k != "model"},
             "visited_weight_contexts": len(wb.count), "visited_gate_contexts": len(gb.count),
             "build_command": build_command("compilerkv", cfg, model_dir, out, CLI_SETTINGS),
@@ -248,7 +266,8 @@ def compile_tables(cfg: CompilerKVCalibrationConfig, out: Path, executor, progre
     return TableArtifact("compilerkv", tables, model_fingerprint(model_dir), meta)
 
 
-CLI_SETTINGS = ("budgets", "long_prompts", "short_prompts", "rounds", "round_size", "kernel", "seed")
+CLI_SETTINGS = ("budgets", "long_prompts", "short_prompts", "rounds", "round_size", "kernel", "seed", "data",
+                "answers", "data_format", "dev_fraction", "limit")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,7 +285,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--round-size", type=int, default=8)
     ap.add_argument("--kernel", type=int, default=CompilerKVCalibrationConfig.kernel,
                     help="pooling width of the token utility (odd); the policy uses the tables' width")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the arm draws and of the data split")
+    ap.add_argument("--data", help="use the prompts of this file (BFCL questions or OpenAI-style JSONL, see "
+                    "calibration/data.py) instead of the synthetic task; --long-prompts / --short-prompts then do not apply")
+    ap.add_argument("--answers", help="BFCL possible-answer file (default: possible_answer/<name> beside --data)")
+    ap.add_argument("--data-format", choices=("auto", "bfcl", "openai"), default="auto")
+    ap.add_argument("--gpus-per-worker", type=float, default=0, help="GPUs each Ray worker reserves (0: the "
+                    "workers' engines run on CPU; 1 for a real checkpoint on a GPU cluster)")
+    ap.add_argument("--dev-fraction", type=float, default=0.5, help="share of the examples calibrated on; the rest is held out")
+    ap.add_argument("--limit", type=int, help="read only the first N examples of --data")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     from models import CheckpointNotFoundError, resolve_checkpoint
@@ -286,14 +313,31 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = resolve_checkpoint(args.model)
     except CheckpointNotFoundError as e:
         ap.error(str(e))
+    if (args.answers or args.limit is not None) and not args.data:
+        ap.error("--answers and --limit apply to --data")
+    if args.gpus_per_worker < 0:
+        ap.error("--gpus-per-worker must be at least 0")
+    data = None
+    if args.data:
+        from calibration.data import CalibrationDataError, load_split
+        try:   # before anything is written: bad data leaves no run folder
+            data = load_split(args.data, args.answers, args.data_format, args.dev_fraction, args.seed, args.limit)
+        except CalibrationDataError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     cfg = CompilerKVCalibrationConfig(str(model_dir), tuple(sorted(args.budgets)), args.long_prompts,
                                       args.short_prompts, rounds=args.rounds, round_size=args.round_size,
-                                      kernel=args.kernel, seed=args.seed)
-    wargs = (str(model_dir), cfg.long_prompts, cfg.short_prompts, cfg.continuation_tokens, cfg.window, cfg.kernel)
+                                      kernel=args.kernel, seed=args.seed,
+                                      **({"data": data.source["path"], "answers": data.source["answers"],
+                                          "data_format": args.data_format, "dev_fraction": args.dev_fraction,
+                                          "limit": args.limit} if data else {}))
+    wargs = (str(model_dir), cfg.long_prompts, cfg.short_prompts, cfg.continuation_tokens, cfg.window, cfg.kernel,
+             data.dev if data else None)
     from calibration.executors import make_executor
-    executor = make_executor(args.executor, CompilerKVWorker, wargs, args.workers, args.address)
+    executor = make_executor(args.executor, CompilerKVWorker, wargs, args.workers, args.address,
+                             args.gpus_per_worker)
     try:
-        artifact = compile_tables(cfg, args.out, executor, progress=not args.no_progress)
+        artifact = compile_tables(cfg, args.out, executor, progress=not args.no_progress, data=data)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -58,10 +58,12 @@ def open_run(out: Path, settings: dict) -> ProbeCache:
     return ProbeCache(out / "probes.jsonl")
 
 
-def make_executor(kind: str, worker_cls, args: tuple, workers: int = 2, address: str | None = None):
-    """A "ray" executor (``workers`` actors of ``worker_cls(*args)``) or a "local" one."""
+def make_executor(kind: str, worker_cls, args: tuple, workers: int = 2, address: str | None = None,
+                  num_gpus: float = 0):
+    """A "ray" executor (``workers`` actors of ``worker_cls(*args)``, each reserving ``num_gpus``
+    GPUs: with 0, Ray hides the GPUs from the actor and the engine runs on its CPU) or a "local" one."""
     if kind == "ray":
-        return RayExecutor(worker_cls, args, num_workers=workers, address=address)
+        return RayExecutor(worker_cls, args, num_workers=workers, num_gpus=num_gpus, address=address)
     return LocalExecutor(lambda: worker_cls(*args))
 
 

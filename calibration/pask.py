@@ -1,9 +1,12 @@
 """Offline calibration of the PASK table (design section 4.4).
 
     python -m calibration pask --model PATH --out DIR [--executor ray|local] [--workers N]
+    python -m calibration pask --model PATH --out DIR --data FILE [--answers FILE] [--dev-fraction F] [--limit N]
 
-On the development split of the synthetic BFCL-style task (complete, grammar-constrained, greedy
-generation through our engine, scored with the BFCL AST checker):
+On the development split of the synthetic BFCL-style task, or on the dev part of the user's data
+(``--data``: a BFCL question file or an OpenAI-style JSONL, split by ``calibration.data``; the split
+is recorded in the manifest), with complete, grammar-constrained, greedy generation through our
+engine, scored with the BFCL AST checker:
 
 1. **Full KV**: accuracy ``A_full``, and each bucket's share of the generated tokens (decode side)
    and of the prompt tokens (prompt side, input-derived labels).
@@ -46,7 +49,8 @@ LEVELS = (Precision.RELEASED, Precision.INT4, Precision.INT8, Precision.HIGH)
 SIDES = {"decode": NUM_BUCKETS, "prompt": NUM_PROMPT_BUCKETS}
 DEFAULT_CATEGORIES = ("simple", "multiple", "parallel", "parallel_multiple", "irrelevance")
 CLI_SETTINGS = ("num_groups", "per_category", "categories", "floor_tolerance", "alpha_decode", "alpha_prompt",
-                "distortion_examples", "max_new_tokens", "seed")
+                "distortion_examples", "max_new_tokens", "seed", "data", "answers", "data_format", "dev_fraction",
+                "limit")
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,10 @@ class PASKCalibrationConfig:
         alpha_decode / alpha_prompt: relative accuracy loss allowed to the selected candidate.
         distortion_examples: examples replayed per distortion probe.
         max_new_tokens: generation cap per example.
-        seed: seed of the no-ranking ablation's order (generation is greedy).
+        seed: seed of the no-ranking ablation's order (generation is greedy) and of the data split.
+        data: the user's data file (None: the synthetic task; then ``per_category`` and
+            ``categories`` apply); answers, data_format, dev_fraction, limit: see
+            :func:`calibration.data.load_split`.
     """
     model: str
     num_groups: int = 3
@@ -74,6 +81,11 @@ class PASKCalibrationConfig:
     distortion_examples: int = 16
     max_new_tokens: int = 128
     seed: int = 0
+    data: str | None = None
+    answers: str | None = None
+    data_format: str = "auto"
+    dev_fraction: float = 0.5
+    limit: int | None = None
 
 
 def layer_groups(num_layers: int, num_groups: int) -> list[tuple[int, int]]:
@@ -95,15 +107,20 @@ def layer_groups(num_layers: int, num_groups: int) -> list[tuple[int, int]]:
 
 # ---------------------------------------------------------------------------- the worker
 class ProbeWorker:
-    """Runs probes for one model on the dev items (one per process or Ray actor)."""
+    """Runs probes for one model on the dev items (one per process or Ray actor): the synthetic
+    task's (``categories``, ``per_category``), or ``items`` (``calibration.data.CalItem``) when given."""
 
     def __init__(self, model: str, categories: list[str], per_category: int, num_groups: int,
-                 max_new_tokens: int):
+                 max_new_tokens: int, items: list | None = None):
         from bench.accuracy import load_items
+        from calibration.data import CalItem
         from replicas.config import EngineConfig
         from replicas.engine import LLMEngine
-        items = load_items("dev", list(categories))
-        self.items = [i for c in categories for i in [x for x in items if x.category == c][:per_category]]
+        if items is None:
+            synth_items = load_items("dev", list(categories))
+            items = [CalItem.from_bench(i) for c in categories
+                     for i in [x for x in synth_items if x.category == c][:per_category]]
+        self.items = list(items)
         self.engine = LLMEngine(EngineConfig(model=model, max_num_seqs=max(1, len(self.items))))
         self.groups = layer_groups(self.engine.model.config.num_layers, num_groups)
         self.max_new_tokens = max_new_tokens
@@ -123,8 +140,6 @@ class ProbeWorker:
     def generate(self, task: dict) -> dict:
         """Complete generation of every dev item under a fixed action table (``decode``, ``prompt``:
         nested lists ``[buckets][G]`` of Precision values)."""
-        from bench.accuracy import score
-        from replicas.grammar import GrammarSpec
         from replicas.policies.pask import PASKPolicy
         from replicas.sampling_params import SamplingParams
         eng = self.engine
@@ -134,14 +149,13 @@ class ProbeWorker:
         eng.policy = PASKPolicy(table)
         params = SamplingParams(max_tokens=self.max_new_tokens)
         for item in self.items:
-            eng.add_request(item.id, self._prompt_ids(item), params,
-                            GrammarSpec("tools", {"tools": item.tools, "tool_choice": "auto"}))
+            eng.add_request(item.id, self._prompt_ids(item), params, item.grammar())
         outs = {}
         while eng.has_unfinished():
             for out in eng.step():
                 if out.finished:
                     outs[out.request_id] = out
-        result = {"correct": [score(i, outs[i.id].text) for i in self.items],
+        result = {"correct": [i.score(outs[i.id].text) for i in self.items],
                   "kv_ratio": sum(outs[i.id].metrics.kv_ratio_mean for i in self.items) / len(self.items)}
         if task.get("with_outputs"):
             result["outputs"] = [outs[i.id].token_ids for i in self.items]
@@ -157,11 +171,10 @@ class ProbeWorker:
         """Prompt labels of the item's prompt and structural buckets of its generated tokens, as
         the engine computes them."""
         from replicas.engine import _tagger_for
-        from replicas.grammar import GrammarSpec
         from replicas.prompt_labels import prompt_labels
         from replicas.tagger import bucket_of
         tok = self.engine.tokenizer
-        tagger = _tagger_for(GrammarSpec("tools", {"tools": item.tools, "tool_choice": "auto"}))
+        tagger = _tagger_for(item.grammar())
         return (prompt_labels(tok, self._prompt_ids(item)),
                 [bucket_of(tagger.feed(tok.decode([t]))) for t in out_ids])
 
@@ -275,7 +288,10 @@ class Calibrator:
     """One resumable calibration run (see the module docstring)."""
 
     def __init__(self, cfg: PASKCalibrationConfig, out: Path, executor, progress: bool = True,
-                 log=None):
+                 log=None, data=None):
+        """``data``: the ``calibration.data.DataSplit`` the executor's workers run on (None: the
+        synthetic task); its record goes into the settings (a run folder is refused for other data)
+        and into the manifest."""
         from calibration.executors import open_run
         from models import resolve_checkpoint
         from replicas.kv_cache import KVCache, KVCacheConfig
@@ -283,7 +299,11 @@ class Calibrator:
         from replicas.policies.pask import level_costs
         self.cfg, self.out, self.ex, self.progress = cfg, Path(out), executor, progress
         self.model_dir = resolve_checkpoint(cfg.model)
-        self.cache = open_run(self.out, {**asdict(cfg), "model": str(self.model_dir)})
+        self.data = data
+        settings = {**asdict(cfg), "model": str(self.model_dir)}
+        if data is not None:
+            settings["data_sha256"], settings["dev_ids"] = data.source["sha256"], data.source["dev_ids"]
+        self.cache = open_run(self.out, settings)
         mc = ModelConfig.from_hf(json.loads((self.model_dir / "config.json").read_text()))
         self.groups = layer_groups(mc.num_layers, cfg.num_groups)
         self.group_sizes = torch.tensor([b - a for a, b in self.groups])
@@ -423,8 +443,9 @@ class Calibrator:
         meta = {"buckets": list(BUCKETS), "prompt_buckets": list(PROMPT_BUCKETS), "levels": [l.name for l in LEVELS],
                 "level_costs": self.costs.tolist(), "kv_dtype": "float32",
                 "layer_groups": [list(g) for g in self.groups],
-                "data": {"split": "dev", "categories": list(cfg.categories), "per_category": cfg.per_category,
-                         "grammar": "tools", "decoding": "greedy"},
+                "data": ({"split": "dev", "categories": list(cfg.categories), "per_category": cfg.per_category,
+                          "grammar": "tools", "decoding": "greedy"} if self.data is None
+                         else {**self.data.source, "grammar": "per example (tools or json_schema)", "decoding": "greedy"}),
                 "settings": {k: v for k, v in asdict(cfg).items() if k != "model"},
                 "full_kv_accuracy": a_full, "sides": meta_sides,
                 "selected": {"accuracy": self._accuracy(combined), "kv_ratio": combined["kv_ratio"]},
@@ -449,7 +470,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--alpha-prompt", type=float, default=0.02)
     ap.add_argument("--distortion-examples", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the ablation order and of the data split")
+    ap.add_argument("--data", help="calibrate on this file (BFCL questions or OpenAI-style JSONL, see "
+                    "calibration/data.py) instead of the synthetic task; --categories / --per-category then do not apply")
+    ap.add_argument("--answers", help="BFCL possible-answer file (default: possible_answer/<name> beside --data)")
+    ap.add_argument("--data-format", choices=("auto", "bfcl", "openai"), default="auto")
+    ap.add_argument("--gpus-per-worker", type=float, default=0, help="GPUs each Ray worker reserves (0: the "
+                    "workers' engines run on CPU; 1 for a real checkpoint on a GPU cluster)")
+    ap.add_argument("--dev-fraction", type=float, default=0.5, help="share of the examples calibrated on; the rest is held out")
+    ap.add_argument("--limit", type=int, help="read only the first N examples of --data")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--publish", action="store_true", help="publish the artifact to the cluster's table "
                     "registry when done (replicas with budget_controller on switch to it)")
@@ -469,14 +498,30 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = resolve_checkpoint(args.model)
     except CheckpointNotFoundError as e:
         ap.error(str(e))
+    if (args.answers or args.limit is not None) and not args.data:
+        ap.error("--answers and --limit apply to --data")
+    if args.gpus_per_worker < 0:
+        ap.error("--gpus-per-worker must be at least 0")
+    data = None
+    if args.data:
+        from calibration.data import CalibrationDataError, load_split
+        try:   # before anything is written: bad data leaves no run folder
+            data = load_split(args.data, args.answers, args.data_format, args.dev_fraction, args.seed, args.limit)
+        except CalibrationDataError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     cfg = PASKCalibrationConfig(str(model_dir), args.num_groups, args.per_category, cats, args.floor_tolerance,
                                 args.alpha_decode, args.alpha_prompt, args.distortion_examples,
-                                args.max_new_tokens, args.seed)
-    worker_args = (str(model_dir), list(cats), args.per_category, args.num_groups, args.max_new_tokens)
+                                args.max_new_tokens, args.seed,
+                                *((data.source["path"], data.source["answers"], args.data_format, args.dev_fraction,
+                                   args.limit) if data else ()))
+    worker_args = (str(model_dir), list(cats), args.per_category, args.num_groups, args.max_new_tokens,
+                   data.dev if data else None)
     from calibration.executors import make_executor
-    executor = make_executor(args.executor, ProbeWorker, worker_args, args.workers, args.address)
+    executor = make_executor(args.executor, ProbeWorker, worker_args, args.workers, args.address,
+                             args.gpus_per_worker)
     try:
-        cal = Calibrator(cfg, args.out, executor, progress=not args.no_progress)
+        cal = Calibrator(cfg, args.out, executor, progress=not args.no_progress, data=data)
         artifact = cal.run()
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -486,7 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     artifact.save(args.out)
     sel = artifact.meta["selected"]
     print(f"wrote {args.out}: dev accuracy {sel['accuracy']:.3f} at KV ratio {sel['kv_ratio']:.3f} "
-          f"(full KV {artifact.meta['full_kv_accuracy']:.3f})")
+          f"(full KV {artifact.meta['full_kv_accuracy']:.3f})"
+          + (f"; {data.source['dev']} dev / {data.source['held_out']} held-out examples of {args.data}" if data else ""))
     if args.publish:
         import ray
 
