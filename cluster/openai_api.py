@@ -218,8 +218,11 @@ class OpenAIServer:
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
 
-    def chat_request(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams, GrammarSpec | None, bool]:
-        """Prompt ids, sampling, grammar, and whether tool calls are parsed from the output."""
+    def chat_request(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams, GrammarSpec | None,
+                                                               str | None]:
+        """Prompt ids, sampling, grammar, and what is done with ``<tool_call>`` markup in the
+        output: ``"calls"`` (parsed into tool calls), ``"strip"`` (``tool_choice: "none"`` with
+        tools and no grammar: removed from the content, as vLLM does) or None (plain text)."""
         self._check_model(req.model)
         self._check_tools(req)
         tools = [t.model_dump() for t in req.tools] if req.tools else None
@@ -245,14 +248,14 @@ class OpenAIServer:
                                                      return_dict=True)["input_ids"]
         except Exception as e:  # a template error is the request's fault (e.g. bad roles order)
             raise APIError(400, f"messages cannot be rendered: {e}", param="messages") from None
-        grammar, parse_tools = None, False
+        grammar, tools_mode = None, None
         if tools and choice != "none" and req.response_format and req.response_format.type != "text":
             raise APIError(400, "response_format cannot be combined with tools unless tool_choice is \"none\" "
                                 "(one grammar per request)", param="response_format")
         if tools and choice != "none":
             grammar = GrammarSpec("tools", {"tools": tools, "tool_choice": choice,
                                             "parallel_tool_calls": req.parallel_tool_calls})
-            parse_tools = True
+            tools_mode = "calls"
         elif req.response_format and req.response_format.type == "json_schema":
             if req.response_format.json_schema is None:
                 raise APIError(400, "response_format json_schema needs a json_schema", param="response_format")
@@ -265,7 +268,9 @@ class OpenAIServer:
             raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
         params = self._sampling(req, req.max_completion_tokens or req.max_tokens, len(ids),
                                 (req.top_logprobs or 0) if req.logprobs else None)
-        return ids, params, grammar, parse_tools
+        if tools and choice == "none" and grammar is None:
+            tools_mode = "strip"
+        return ids, params, grammar, tools_mode
 
     def completion_request(self, req: CompletionRequest):
         self._check_model(req.model)
@@ -337,18 +342,18 @@ class OpenAIServer:
                 queue (429) or a failed engine (503); later failures end the stream with an error event.
         """
         usage = _StreamUsage(self, req)
-        ids, params, grammar, parse_tools = self.chat_request(req)
+        ids, params, grammar, tools_mode = self.chat_request(req)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", now()
         stream = self.run(ids, params, grammar, req.kv_budget)
         first = await _first(stream)
         if req.stream:
-            async for event in _chat_stream(self, rid, created, req.model, first, stream, parse_tools, usage):
+            async for event in _chat_stream(self, rid, created, req.model, first, stream, tools_mode, usage):
                 yield event
             return
         out = first
         async for out in stream:
             pass
-        message, has_calls = _message(out, parse_tools)
+        message, has_calls = _message(out, tools_mode)
         yield {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
                "choices": [{"index": 0, "message": message, "finish_reason": _finish_reason(out, has_calls),
                             "logprobs": self.logprobs.chat(out.logprobs)}], "usage": self.usage(out)}
@@ -503,46 +508,21 @@ def _finish_reason(out: RequestOutput, has_calls: bool) -> str:
     return "tool_calls" if has_calls else "stop"
 
 
-def _message(out: RequestOutput, parse_tools: bool) -> tuple[dict, bool]:
-    if parse_tools:
-        text = out.text
-        cut = text.rfind("<tool_call>")
-        if cut >= 0 and "</tool_call>" not in text[cut:]:
-            # An unclosed last call is kept when its JSON is whole (a stop string or stop token at
-            # </tool_call>; vLLM's Hermes parser does the same) and dropped, not leaked as content,
-            # when max_tokens or a stop string cut it short.
-            body = text[cut + len("<tool_call>"):]
-            text = text[:cut] + (f"<tool_call>{body}</tool_call>" if _whole_call(body) else "")
-        try:
-            calls, content = chat.parse_tool_calls(text)
-        except ValueError:  # a malformed block (only without the grammar): the text before it
-            calls, content = [], text[:text.find("<tool_call>")].strip()
-        if calls:
-            tool_calls = [ToolCall(function=ToolCallFunction(name=c["name"], arguments=json.dumps(c["arguments"])))
-                          .model_dump() for c in calls]
-            return {"role": "assistant", "content": content or None, "tool_calls": tool_calls}, True
-        return {"role": "assistant", "content": content or None}, False
-    return {"role": "assistant", "content": out.text}, False
-
-
-def _whole_call(body: str) -> bool:
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return False
-    return isinstance(obj, dict) and isinstance(obj.get("name"), str)
-
-
-def _streamable(text: str, marker: str = "<tool_call>") -> str:
-    """The part of ``text`` that can stream as content: before any tool call, minus a tail that
-    could be the start of one."""
-    i = text.find(marker)
-    if i >= 0:
-        return text[:i]
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return text[:-k]
-    return text
+def _message(out: RequestOutput, tools_mode: str | None) -> tuple[dict, bool]:
+    """The whole answer's message, and whether it has tool calls."""
+    if tools_mode is None:
+        return {"role": "assistant", "content": out.text}, False
+    # A call cut short (max_tokens, a stop string) is dropped, not leaked as content; a last call
+    # whose JSON is whole but whose closing tag is missing (a stop string or stop token at
+    # </tool_call>) is kept, as vLLM's Hermes parser does.
+    state = chat.ToolCallParser().update(out.text, final=True)
+    content = state.content.strip() or None
+    calls = state.complete_calls if tools_mode == "calls" else []
+    if calls:
+        tool_calls = [ToolCall(function=ToolCallFunction(name=c.name, arguments=c.arguments)).model_dump()
+                      for c in calls]
+        return {"role": "assistant", "content": content, "tool_calls": tool_calls}, True
+    return {"role": "assistant", "content": content}, False
 
 
 def _sse(obj: dict) -> str:
@@ -717,34 +697,59 @@ class _StreamUsage:
         return [_sse({**base, "choices": [], "usage": self.server.usage(out)})] if self.include else []
 
 
-async def _chat_stream(server, rid, created, model, first, stream, parse_tools, usage: _StreamUsage):
+class _ToolCallDeltas:
+    """A stream's tool calls as OpenAI and vLLM stream them: a call's first delta carries its
+    ``index``, ``id``, ``type`` and ``function.name`` (``arguments: ""``), then ``function.arguments``
+    fragments follow as the model writes them; their concatenation is the whole answer's
+    ``arguments``. A call cut short has sent its start (``finish_reason`` says ``length`` or ``stop``)."""
+
+    def __init__(self):
+        self.sent: list[int] = []    # per call index: characters of arguments sent
+
+    def __call__(self, calls: list[chat.ParsedCall]) -> list[dict]:
+        deltas = []
+        for i, c in enumerate(calls):
+            if c.name is None:
+                break
+            if i == len(self.sent):
+                start = ToolCall(function=ToolCallFunction(name=c.name, arguments="")).model_dump()
+                deltas.append({"index": i, **start})
+                self.sent.append(0)
+            if len(c.arguments) > self.sent[i]:
+                deltas.append({"index": i, "function": {"arguments": c.arguments[self.sent[i]:]}})
+                self.sent[i] = len(c.arguments)
+        return deltas
+
+
+async def _chat_stream(server, rid, created, model, first, stream, tools_mode, usage: _StreamUsage):
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     yield usage.chunk({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                             "finish_reason": None}]}, first)
     sent, out, logprobs = 0, first, _LogprobCursor(server.logprobs.chat)
+    parser, tool_deltas, has_calls = chat.ToolCallParser(), _ToolCallDeltas(), False
 
     try:
         async for out in _outputs(first, stream):
-            # Text before a tool call streams as content; tool calls go out whole once parsed. With
-            # tools, the answer's content is stripped, so leading and trailing whitespace wait.
-            visible = _streamable(out.text).strip() if parse_tools else out.text
+            deltas: list[dict] = []
+            if tools_mode is None:
+                visible = out.text
+            else:
+                # Content goes out as the text outside <tool_call> blocks, stripped as the whole
+                # answer's is (trailing whitespace waits); calls stream as they are written.
+                state = parser.update(out.text, final=out.finished)
+                visible = state.content.strip()
+                if tools_mode == "calls":
+                    deltas = [{"tool_calls": [d]} for d in tool_deltas(state.calls)]
+                    has_calls = bool(state.complete_calls)
             if len(visible) > sent:
-                yield usage.chunk({**base, "choices": [{"index": 0, "delta": {"content": visible[sent:]},
-                                                        "finish_reason": None, **logprobs(out)}]}, out)
+                deltas.insert(0, {"content": visible[sent:]})
                 sent = len(visible)
+            for k, delta in enumerate(deltas):   # the step's log-probabilities go with its first chunk
+                yield usage.chunk({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None,
+                                                        **logprobs(out, only_if_left=k > 0)}]}, out)
     except APIError as e:
         yield error_event(e)
         return
-    message, has_calls = _message(out, parse_tools)
-    content = message["content"] or ""   # what was sent is a prefix of it
-    if len(content) > sent:
-        yield usage.chunk({**base, "choices": [{"index": 0, "delta": {"content": content[sent:]}, "finish_reason": None,
-                                                **({} if has_calls else logprobs(out))}]}, out)
-    if has_calls:
-        deltas = [{"index": i, "id": c["id"], "type": "function", "function": c["function"]}
-                  for i, c in enumerate(message["tool_calls"])]
-        yield usage.chunk({**base, "choices": [{"index": 0, "delta": {"tool_calls": deltas}, "finish_reason": None,
-                                                **logprobs(out)}]}, out)
     yield usage.chunk({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": _finish_reason(out, has_calls),
                                             **logprobs(out, only_if_left=True)}]}, out)
     for event in usage.last(base, out):

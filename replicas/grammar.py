@@ -233,16 +233,23 @@ def _refuse_unenforced(schema: Any, what: str) -> None:
                                   f"{'; '.join(sorted(bad)[:8])}")
 
 
+# Longest run of whitespace allowed between the tokens of a call's arguments (the model and the
+# chat template write one space; unbounded, a weak model could fill max_tokens with newlines).
+TOOLS_MAX_WHITESPACE = 2
+
+
 def tools_structural_tag(tools: list[dict], tool_choice: Any = "auto", parallel_tool_calls: bool = True):
     """The xgrammar structural tag for Qwen3-format tool calls.
 
     Arguments follow the schema's property order: xgrammar 0.2.9's ``any_order=True`` accepts a
     repeated key in place of a missing required one (``{"city": "Paris", "city": "Paris"}`` for
-    required ``city`` and ``unit``), which would let schema-breaking output through.
+    required ``city`` and ``unit``), which would let schema-breaking output through. Whitespace
+    runs inside the arguments are at most :data:`TOOLS_MAX_WHITESPACE` characters.
     """
     import xgrammar as xgr
     return xgr.get_model_structural_tag("qwen_3", tools=tools, tool_choice=tool_choice, reasoning=False,
-                                        parallel_tool_calls=parallel_tool_calls)
+                                        parallel_tool_calls=parallel_tool_calls,
+                                        max_whitespace_cnt=TOOLS_MAX_WHITESPACE)
 
 
 def _check(spec: GrammarSpec) -> GrammarSpec:

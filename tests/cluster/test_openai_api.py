@@ -89,12 +89,101 @@ def test_streaming_characters_split_across_tokens(app):
     assert call(app, "POST", "/v1/completions", body).json()["choices"][0]["text"] == want
 
 
+def _joined_calls(chunks):
+    """Streamed tool-call deltas joined by index, as a client joins them: ``[{name, arguments}]``."""
+    calls = {}
+    for c in chunks:
+        for tc in c["choices"][0]["delta"].get("tool_calls") or []:
+            f = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
+            f["name"] += tc.get("function", {}).get("name") or ""
+            f["arguments"] += tc.get("function", {}).get("arguments") or ""
+    return [calls[i] for i in sorted(calls)]
+
+
 def test_streaming_tool_calls(app):
     r = call(app, "POST", "/v1/chat/completions", chat(tools=[WEATHER], tool_choice="required", stream=True))
     chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
-    calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls") or []]
+    calls = _joined_calls(chunks)
     assert calls and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
-    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), WEATHER["function"]["parameters"])
+    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
+
+
+# A string argument the grammar forces to hold the closing tag.
+NOTE = {"type": "function", "function": {"name": "save_note", "description": "Save a note.", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string", "enum": ["a</tool_call>b"]}},
+    "required": ["text"], "additionalProperties": False}}}
+
+
+def test_closing_tag_inside_a_string_argument_stays_in_the_call(app):
+    """The server returned no call at all: the parser stopped at the first </tool_call>."""
+    body = chat(messages=[{"role": "user", "content": "Save a note."}], tools=[NOTE], tool_choice="required")
+    whole, content, calls, finish = _whole_and_streamed_chat(app, body)
+    assert whole["finish_reason"] == finish == "tool_calls" and whole["message"]["content"] is None and content == ""
+    got = [c["function"] for c in whole["message"]["tool_calls"]]
+    assert [(c["name"], json.loads(c["arguments"])) for c in got] == [("save_note", {"text": "a</tool_call>b"})]
+    assert calls == got
+
+
+def test_tool_choice_none_never_returns_tool_markup(app):
+    """The model still writes <tool_call> blocks when it sees the tools (the embedded one does for
+    this prompt); with tool_choice "none" they were returned as content. vLLM drops them."""
+    body = chat(tools=[WEATHER], tool_choice="none")
+    whole, content, calls, finish = _whole_and_streamed_chat(app, body)
+    assert "tool_calls" not in whole["message"] and calls == [] and finish == whole["finish_reason"] == "stop"
+    assert content == (whole["message"]["content"] or "")
+    assert "tool_call>" not in content
+    # The markup was there to leave out: the same prompt with tool_choice auto gives a call.
+    auto = call(app, "POST", "/v1/chat/completions", chat(tools=[WEATHER], tool_choice="auto")).json()
+    assert auto["choices"][0]["message"]["tool_calls"]
+
+
+def _sdk_chat(app, **kw):
+    """The whole answer and the stream through the openai SDK, with the SDK's own accumulation of
+    the stream (``ChatCompletionStreamState``) and each streamed chunk."""
+    openai = pytest.importorskip("openai")
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    async def go():
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test/v1")
+        client = openai.AsyncOpenAI(api_key="unused", base_url="http://test/v1", http_client=http)
+        whole = await client.chat.completions.create(model=MODEL, **kw)
+        state, chunks = ChatCompletionStreamState(), []
+        async for chunk in await client.chat.completions.create(model=MODEL, stream=True, **kw):
+            state.handle_chunk(chunk)
+            chunks.append(chunk)
+        await http.aclose()
+        return whole, state.get_final_completion(), chunks
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("query,n_calls", [
+    ("Weather in Oslo, celsius?", 1),
+    ("Get weather for each of these: city Paris and unit celsius; city Oslo and unit celsius; "
+     "city Rome and unit fahrenheit.", 3)])
+def test_sdk_streams_tool_calls_as_openai_does(app, query, n_calls):
+    """A call's first delta carries index, id, type and name (arguments ""); then argument
+    fragments arrive as they are written, before the call ends (they came in one delta at the
+    end); the SDK's accumulation is the whole answer, for one call and for parallel calls."""
+    whole, joined, chunks = _sdk_chat(app, messages=[{"role": "user", "content": query}], tools=[WEATHER],
+                                      tool_choice="required", max_tokens=120)
+    want = [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
+    assert len(want) == n_calls and whole.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in joined.choices[0].message.tool_calls] == want
+    assert joined.choices[0].finish_reason == "tool_calls" and not joined.choices[0].message.content
+    assert all(c.id.startswith("call_") and c.type == "function" for c in joined.choices[0].message.tool_calls)
+    deltas = [(k, tc) for k, chunk in enumerate(chunks) if chunk.choices
+              for tc in chunk.choices[0].delta.tool_calls or []]
+    last = len(chunks) - 1
+    assert chunks[last].choices[0].finish_reason == "tool_calls" and not chunks[last].choices[0].delta.tool_calls
+    for i in range(n_calls):
+        mine = [(k, tc) for k, tc in deltas if tc.index == i]
+        (k0, head), rest = mine[0], mine[1:]
+        assert head.id and head.type == "function" and head.function.name == want[i][0] and head.function.arguments == ""
+        assert all(tc.id is None and tc.function.name is None for _, tc in rest)
+        assert len(rest) > 1 and rest[0][0] < rest[-1][0] < last   # several fragments, spread over chunks
+        assert "".join(tc.function.arguments for _, tc in rest) == want[i][1]
+        if i + 1 < n_calls:   # a call's arguments stream before the next call starts
+            assert rest[-1][0] < next(k for k, tc in deltas if tc.index == i + 1)
 
 
 def test_completions_with_structured_outputs(app):
@@ -415,8 +504,7 @@ def _whole_and_streamed_chat(app, body):
     whole = call(app, "POST", "/v1/chat/completions", body).json()
     chunks = _stream_chunks(app, "/v1/chat/completions", body)
     content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
-    calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls") or []]
-    return whole["choices"][0], content, calls, chunks[-1]["choices"][0]["finish_reason"]
+    return whole["choices"][0], content, _joined_calls(chunks), chunks[-1]["choices"][0]["finish_reason"]
 
 
 def test_tool_calls_with_stop_strings_whole_and_streamed_agree(app, engine):
@@ -430,7 +518,13 @@ def test_tool_calls_with_stop_strings_whole_and_streamed_agree(app, engine):
         body = chat(tools=[WEATHER], **{"tool_choice": "required", **extra})
         whole, content, calls, finish = _whole_and_streamed_chat(app, body)
         assert content == (whole["message"]["content"] or ""), extra
-        assert [c["function"] for c in calls] == [c["function"] for c in whole["message"].get("tool_calls") or []], extra
+        want = [c["function"] for c in whole["message"].get("tool_calls") or []]
+        if finish != "tool_calls" and len(calls) > len(want):
+            # A call cut short: the stream had sent its start (arguments stream as written);
+            # the whole answer drops it. Its arguments are not whole JSON.
+            with pytest.raises(ValueError):
+                json.loads(calls.pop()["arguments"])
+        assert calls == want, extra
         assert finish == whole["finish_reason"], extra
         if "stop_token_ids" in extra or extra.get("stop") == ["</tool_call>"]:
             assert whole["finish_reason"] == "tool_calls" and whole["message"]["tool_calls"], extra

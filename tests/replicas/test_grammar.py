@@ -61,6 +61,21 @@ def test_tool_grammar_required_and_named(engine, chat_prompts):
         jsonschema.validate(calls[0]["arguments"], tools[-1]["function"]["parameters"])
 
 
+def test_tool_grammar_bounds_whitespace_inside_calls(engine):
+    """Runs of whitespace between a call's JSON tokens are bounded (they were not: a weak model
+    could write newlines until max_tokens cut the call); whitespace inside strings is text."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}, "required": ["a"]}}}
+    spec = GrammarSpec("tools", {"tools": [tool], "tool_choice": "required"})
+
+    def accepts(arguments):
+        m = engine.grammar.matcher(spec)
+        return m.accept_string(f'<tool_call>\n{{"name": "f", "arguments": {arguments}}}\n</tool_call>')
+    assert accepts('{"a": "x", "b": 1}') and accepts('{\n "a": "x",\n "b": 1}') and accepts('{"a": "x   \\n\\n  y"}')
+    for spaced in ('{\n\n\n"a": "x"}', '{"a":' + " " * 3 + '"x"}', '{"a": "x"' + "\n" * 200 + "}"):
+        assert not accepts(spaced), spaced
+
+
 @pytest.mark.parametrize("spec,match", [
     (GrammarSpec("json_schema", {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}), "invalid json_schema"),
     (GrammarSpec("json_schema", "{not json"), "invalid json_schema"),
