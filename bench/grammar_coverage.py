@@ -112,6 +112,8 @@ def refusal_reason(message: str) -> str:
     ``oneOf with members that may overlap``, ``format uri-reference``), else the message with
     numbers, quotes and places stripped."""
     import re
+    if "cannot enforce" in message and "): what llguidance names (llguidance: " in message:
+        return "llguidance: " + re.sub(r"json-schema:///\S*|\d+", "X", message.split("(llguidance: ", 1)[1])[:70]
     if "cannot enforce" in message:
         places = message.split(": ", 1)[1].split(" (llguidance:")[0].split("; ")
         kinds = sorted({re.sub(r" at \$.*", "", p) for p in places})
@@ -241,6 +243,8 @@ def jsonschemabench_table(report: dict) -> str:
     lines = [head, "|" + "---|" * 2 + "---:|" * 11]
     tot, reasons = collections.Counter(), collections.Counter()
     for name, r in report.items():
+        if not isinstance(r, dict) or "after" not in r:
+            continue
         b = r.get("before") or {}
         bb = r["by_backend"]
         row = {"schemas": r["schemas"], "b_served": b.get("served", 0), "b_refused": b.get("refused", 0),
@@ -248,12 +252,23 @@ def jsonschemabench_table(report: dict) -> str:
                "x": bb.get("xgrammar", {}).get("served", 0), "l": bb.get("llguidance", {}).get("served", 0),
                **{k: r["after"][k] for _, k in cols}, "seconds": r["seconds"]}
         tot.update(row)
-        reasons.update(r["reasons"])
+        for reason, count in r["reasons"].items():
+            reasons[canonical_reason(reason)] += count
         lines.append(_row(name, row))
     lines.append(_row("**total**", tot))
     out = "\n".join(lines) + "\n\nRefusals left, by reason:\n\n| reason | schemas |\n|---|---:|\n"
     out += "\n".join(f"| {k} | {v} |" for k, v in reasons.most_common())
     return out + "\n"
+
+
+def canonical_reason(reason: str) -> str:
+    """A stored refusal reason by the keyword llguidance refused: the places a refusal lists also
+    name the siblings of a combinator (``oneOf beside type, properties``), which are not why."""
+    from replicas.grammar import _CONSTRAINTS
+    parts = [p for p in reason.split(", ") if p not in _CONSTRAINTS and " beside " not in p]
+    if any("oneOf" in p for p in reason.split(", ")) and all(p.startswith("oneOf") for p in parts):
+        return "oneOf whose members may overlap (llguidance cannot prove them disjoint)"
+    return " + ".join(parts) or reason
 
 
 def _row(name: str, r) -> str:

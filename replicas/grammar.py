@@ -72,8 +72,9 @@ _NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "depend
 
 
 def unenforced_keywords(schema: Any) -> list[str]:
-    """JSON-pointer-ish places where ``schema`` uses a keyword the grammar cannot enforce:
-    the keywords above, ``uniqueItems: true``, ``allOf`` with several members, ``pattern`` or
+    """JSON-pointer-ish places where ``schema`` uses a keyword xgrammar does not enforce (such a
+    schema goes to llguidance, :func:`backend_for`): the keywords above, ``format: date`` /
+    ``date-time``, a ``pattern`` with look-around, ``uniqueItems: true``, ``allOf`` with several members, ``pattern`` or
     ``format`` together with ``minLength`` / ``maxLength`` (the lengths are dropped), ``anyOf`` /
     ``oneOf`` / ``allOf`` / ``$ref`` beside other constraints (the siblings are dropped), ``oneOf``
     whose members may overlap (it is compiled as ``anyOf``), a ``required`` name missing from
@@ -440,7 +441,7 @@ def _llguidance_refusal(spec: GrammarSpec, message: str) -> str:
     if spec.kind == "json_schema":
         where = _places(spec.value, message)
         return (f"the schema uses JSON Schema keywords the grammar backends cannot enforce "
-                f"(xgrammar drops them, llguidance refuses them): {'; '.join(sorted(where)[:8]) or '?'} "
+                f"(xgrammar drops them, llguidance refuses them): {'; '.join(sorted(where)[:8]) or 'what llguidance names'} "
                 f"(llguidance: {message[:300]})")
     if spec.kind == "tools":
         for name, params in _tool_schemas(spec.value):
