@@ -7,10 +7,13 @@
 every ground-truth call (first allowed value of each parameter) validates against its schema with
 ``jsonschema`` and is accepted token by token, then EOS, by the question's compiled tool grammar.
 
-``jsonschemabench``: every schema of JSONSchemaBench either compiles or raises
-``GrammarCompileError`` within the time bound; reports compiled / refused / timed out and time per
-subset. Each subset runs in a child process, so a crash inside the compiler is counted and the run
-goes on.
+``jsonschemabench``: every schema of JSONSchemaBench either compiles (with the backend
+``replicas.grammar.backend_for`` picks: xgrammar or llguidance) or raises ``GrammarCompileError``
+within the time bound; reports served / refused / timed out per subset and per backend, the
+refusals left grouped by reason, and, for comparison, what ``--before-ref``'s rule served (a
+schema its ``unenforced_keywords`` flags refused, every other compiled by xgrammar; compiled again
+here only where this code sends it to llguidance). Each subset runs in a child process, so a crash
+inside the compiler is counted and the run goes on.
 """
 
 from __future__ import annotations
@@ -91,28 +94,86 @@ def bfcl_coverage(timeout_s: float) -> dict:
     return report
 
 
-def _subset_worker(path: str, start: int, timeout_s: float, conn) -> None:
+def _before_check(ref: str):
+    """``unenforced_keywords`` as git ``ref`` has it (the refusal rule of that commit)."""
+    import subprocess
+    import types
+    root = Path(__file__).resolve().parents[1]
+    code = subprocess.run(["git", "show", f"{ref}:replicas/grammar.py"], cwd=root, check=True,
+                          capture_output=True, text=True).stdout
+    mod = types.ModuleType(f"grammar_at_{ref}")
+    sys.modules[mod.__name__] = mod   # (its dataclasses look their module up)
+    exec(compile(code, f"{ref}:replicas/grammar.py", "exec"), mod.__dict__)
+    return mod.unenforced_keywords
+
+
+def refusal_reason(message: str) -> str:
+    """A refusal grouped by cause: the keyword classes a "cannot enforce" refusal lists (``not``,
+    ``oneOf with members that may overlap``, ``format uri-reference``), else the message with
+    numbers, quotes and places stripped."""
+    import re
+    if "cannot enforce" in message and "): what llguidance names (llguidance: " in message:
+        return "llguidance: " + re.sub(r"json-schema:///\S*|\d+", "X", message.split("(llguidance: ", 1)[1])[:70]
+    if "cannot enforce" in message:
+        places = message.split(": ", 1)[1].split(" (llguidance:")[0].split("; ")
+        kinds = sorted({re.sub(r" at \$.*", "", p) for p in places})
+        return ", ".join(kinds)
+    msg = re.sub(r"\(llguidance: ", "", message)
+    return re.sub(r"\d+", "N", re.sub(r"'[^']*'|\"[^\"]*\"|`[^`]*`", "X", msg))[:90]
+
+
+def _status(compile_fn) -> tuple[str, str]:
     from replicas.errors import GrammarCompileError
-    from replicas.grammar import GrammarSpec
+    try:
+        compile_fn()
+        return "served", ""
+    except GrammarCompileError as e:
+        return ("timeout" if "did not compile within" in str(e) else "refused"), str(e)
+
+
+def _subset_worker(path: str, start: int, timeout_s: float, before_ref: str | None, conn) -> None:
+    from replicas.errors import GrammarCompileError
+    from replicas.grammar import GrammarSpec, _check, backend_for
+    before_check = _before_check(before_ref) if before_ref else None
     _, compiler = _compiler(timeout_s)
     with gzip.open(path, "rt") as f:
         rows = [json.loads(line) for line in f]
     for i in range(start, len(rows)):
         schema = rows[i].get("json_schema", rows[i].get("schema", rows[i]))
+        spec = GrammarSpec("json_schema", schema)
         t0 = time.perf_counter()
         try:
-            compiler.compile(GrammarSpec("json_schema", schema))
-            status = "compiled"
-        except GrammarCompileError as e:
-            status = "timeout" if "did not compile within" in str(e) else "refused"
-        conn.send((i, status, time.perf_counter() - t0))
+            backend = backend_for(_check(spec))
+        except GrammarCompileError:
+            backend = "-"
+        after, message = _status(lambda: compiler.compile(spec))
+        seconds = time.perf_counter() - t0
+        before = None
+        if before_check is not None:  # the ref's rule: refused before compiling, else xgrammar compiled it
+            if isinstance(schema, str) or before_check(schema):
+                before = "refused"
+            elif backend == "xgrammar":
+                before = after
+            else:
+                before = _status(lambda: compiler._compile_in_thread("xgrammar", _check(spec)))[0]
+        conn.send((i, {"backend": backend, "after": after, "before": before, "seconds": seconds,
+                       "reason": refusal_reason(message) if after == "refused" else ""}))
     conn.send(None)
 
 
+def _empty_counts() -> dict:
+    return {"served": 0, "refused": 0, "timeout": 0, "crashed": 0}
+
+
 def jsonschemabench_coverage(timeout_s: float, limit: int | None, progress_path: Path | None = None,
-                             subsets: list[str] | None = None) -> dict:
-    """Per subset: compiled / refused / timeout / crashed counts and compile seconds. Subsets
-    already in ``progress_path`` (a stopped run's report) are kept and not rerun."""
+                             subsets: list[str] | None = None, before_ref: str | None = None) -> dict:
+    """Per subset: ``after`` (served / refused / timeout / crashed, with this code's choice of
+    backend), the same per backend (``by_backend``; "-": refused before a backend was chosen),
+    ``before`` (the same counts under ``before_ref``'s refusal rule, xgrammar only: a schema its
+    ``unenforced_keywords`` flags is refused, any other is compiled by xgrammar), compile seconds
+    and the refusal reasons left (``reasons``: reason -> count). Subsets already in
+    ``progress_path`` (a stopped run's report) are kept and not rerun."""
+    import collections
     report = json.loads(progress_path.read_text()) if progress_path and progress_path.is_file() else {}
     ctx = mp.get_context("spawn")
     for path in sorted(JSONSCHEMABENCH_DIR.glob("*.jsonl.gz")):
@@ -122,43 +183,100 @@ def jsonschemabench_coverage(timeout_s: float, limit: int | None, progress_path:
         with gzip.open(path, "rt") as f:
             total = sum(1 for _ in f)
         total = min(total, limit) if limit else total
-        counts = {"compiled": 0, "refused": 0, "timeout": 0, "crashed": 0, "seconds": 0.0}
+        after, before = _empty_counts(), _empty_counts()
+        by_backend = collections.defaultdict(_empty_counts)
+        reasons, seconds = collections.Counter(), 0.0
         start = 0
-        bar = tqdm(total=total, desc=path.name.split(".")[0], leave=False)
+        bar = tqdm(total=total, desc=name, leave=False)
         while start < total:
             parent, child = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_subset_worker, args=(str(path), start, timeout_s, child), daemon=True)
+            proc = ctx.Process(target=_subset_worker, args=(str(path), start, timeout_s, before_ref, child), daemon=True)
             proc.start()
             child.close()
             while True:
                 try:
-                    msg = parent.recv() if parent.poll(timeout_s * 3 + 60) else "hung"
+                    # the worker imports, loads the tokenizer and may compile the schema twice
+                    msg = parent.recv() if parent.poll(timeout_s * 6 + 60) else "hung"
                 except EOFError:
                     msg = "crashed"
                 if msg is None:
                     start = total
                     break
                 if msg in ("crashed", "hung"):
-                    counts["crashed"] += 1  # the schema at `start` killed or hung the worker
+                    after["crashed"] += 1  # the schema at `start` killed or hung the worker
+                    before["crashed"] += bool(before_ref)
+                    by_backend["?"]["crashed"] += 1
                     start += 1
                     bar.update(1)
                     break
-                i, status, seconds = msg
+                i, r = msg
                 if i >= total:
                     start = total
                     break
-                counts[status] += 1
-                counts["seconds"] += seconds
+                after[r["after"]] += 1
+                by_backend[r["backend"]][r["after"]] += 1
+                if r["before"]:
+                    before[r["before"]] += 1
+                if r["reason"]:
+                    reasons[r["reason"]] += 1
+                seconds += r["seconds"]
                 start = i + 1
                 bar.update(1)
             proc.kill()
             proc.join()
         bar.close()
-        counts["seconds"] = round(counts["seconds"], 2)
-        report[path.name.split(".")[0]] = counts
+        report[name] = {"schemas": total, "after": after, "by_backend": dict(by_backend),
+                        "before": before if before_ref else None, "seconds": round(seconds, 2),
+                        "reasons": dict(reasons.most_common())}
         if progress_path:  # keep finished subsets even if the run is stopped
             progress_path.write_text(json.dumps(report, indent=1) + "\n")
     return report
+
+
+def jsonschemabench_table(report: dict) -> str:
+    """The report as a Markdown table (one row per subset, then the total) and the refusals
+    left, grouped by reason."""
+    import collections
+    cols = [("after", "served"), ("after", "refused"), ("after", "timeout"), ("after", "crashed")]
+    head = ("| subset | schemas | before: served | before: refused | before: timed out | served | "
+            "(xgrammar) | (llguidance) | refused | timed out | crashed | refused + timed out | seconds |")
+    lines = [head, "|" + "---|" * 2 + "---:|" * 11]
+    tot, reasons = collections.Counter(), collections.Counter()
+    for name, r in report.items():
+        if not isinstance(r, dict) or "after" not in r:
+            continue
+        b = r.get("before") or {}
+        bb = r["by_backend"]
+        row = {"schemas": r["schemas"], "b_served": b.get("served", 0), "b_refused": b.get("refused", 0),
+               "b_timeout": b.get("timeout", 0) + b.get("crashed", 0),
+               "x": bb.get("xgrammar", {}).get("served", 0), "l": bb.get("llguidance", {}).get("served", 0),
+               **{k: r["after"][k] for _, k in cols}, "seconds": r["seconds"]}
+        tot.update(row)
+        for reason, count in r["reasons"].items():
+            reasons[canonical_reason(reason)] += count
+        lines.append(_row(name, row))
+    lines.append(_row("**total**", tot))
+    out = "\n".join(lines) + "\n\nRefusals left, by reason:\n\n| reason | schemas |\n|---|---:|\n"
+    out += "\n".join(f"| {k} | {v} |" for k, v in reasons.most_common())
+    return out + "\n"
+
+
+def canonical_reason(reason: str) -> str:
+    """A stored refusal reason by the keyword llguidance refused: the places a refusal lists also
+    name the siblings of a combinator (``oneOf beside type, properties``), which are not why."""
+    from replicas.grammar import _CONSTRAINTS
+    parts = [p for p in reason.split(", ") if p not in _CONSTRAINTS and " beside " not in p]
+    if any("oneOf" in p for p in reason.split(", ")) and all(p.startswith("oneOf") for p in parts):
+        return "oneOf whose members may overlap (llguidance cannot prove them disjoint)"
+    return " + ".join(parts) or reason
+
+
+def _row(name: str, r) -> str:
+    n = r["schemas"] or 1
+    bad = r["refused"] + r["timeout"] + r["crashed"]
+    return (f"| {name} | {r['schemas']:,} | {r['b_served']:,} | {r['b_refused']:,} | {r['b_timeout']:,} | "
+            f"{r['served']:,} | {r['x']:,} | {r['l']:,} | {r['refused']:,} | {r['timeout']:,} | {r['crashed']:,} | "
+            f"{bad:,} ({100 * bad / n:.1f} %) | {r['seconds']:,.0f} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the report as JSON (jsonschemabench: subsets already "
                     "in this file are kept, so a stopped run resumes)")
     ap.add_argument("--subsets", nargs="+", help="only these JSONSchemaBench subsets")
+    ap.add_argument("--before-ref", default="main", help="jsonschemabench: also count what this git ref's "
+                    "refusal rule (xgrammar only) served; '' to skip")
+    ap.add_argument("--markdown", type=Path, help="jsonschemabench: write the table to this file")
     args = ap.parse_args(argv)
     if args.suite == "bfcl":
         report = bfcl_coverage(args.timeout_s)
@@ -178,10 +299,11 @@ def main(argv: list[str] | None = None) -> int:
         for f in report["failures"][:20]:
             print("failure:", json.dumps(f)[:300])
     else:
-        report = jsonschemabench_coverage(args.timeout_s, args.limit, args.json, args.subsets)
-        print(f"{'subset':<18} {'compiled':>9} {'refused':>8} {'timeout':>8} {'crashed':>8} {'seconds':>9}")
-        for name, c in report.items():
-            print(f"{name:<18} {c['compiled']:>9} {c['refused']:>8} {c['timeout']:>8} {c['crashed']:>8} {c['seconds']:>9.1f}")
+        report = jsonschemabench_coverage(args.timeout_s, args.limit, args.json, args.subsets, args.before_ref or None)
+        table = jsonschemabench_table(report)
+        print(table)
+        if args.markdown:
+            args.markdown.write_text(table)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1) + "\n")

@@ -1,5 +1,15 @@
-"""Constrained decoding with xgrammar: grammar specs, a compiled-grammar cache, time-bounded
-compilation, and per-step token bitmasks.
+"""Constrained decoding with two backends, xgrammar and llguidance: grammar specs, the choice of
+backend per spec, a compiled-grammar cache, time- and memory-bounded compilation, and per-step
+token bitmasks for a batch that may mix backends.
+
+Which backend serves a spec (measured with xgrammar 0.2.9 and llguidance 1.9, see
+``docs/grammar_backends.md``): xgrammar where it enforces every keyword of a JSON schema
+(:func:`unenforced_keywords` finds none), llguidance where it does not, and a refusal
+(:class:`GrammarCompileError` naming the keyword and where) where neither enforces it. Lark
+grammars go to llguidance (its native syntax), regexes with look-around or xgrammar's
+optional-group bug to llguidance (which refuses look-around), everything else to xgrammar. Both
+sit behind one matcher interface (:class:`Matcher`), so the engine, the tagger and PASK do not
+see the backend.
 
 A :class:`GrammarSpec` names what the output must follow: a JSON schema, any JSON object, a
 regex, one of several strings (``choice``), an EBNF or Lark grammar, or tool calls in the Qwen3
@@ -49,14 +59,22 @@ class GrammarSpec:
 # Keywords xgrammar 0.2.9 compiles but does not enforce (seen: outputs breaking them under the
 # grammar); a schema using one is refused rather than served with output that breaks it.
 _UNENFORCED = ("contains", "minContains", "maxContains", "not", "if", "then", "else", "dependentSchemas",
-               "unevaluatedProperties", "unevaluatedItems")
+               "unevaluatedProperties", "unevaluatedItems",
+               # measured (issue 20): xgrammar 0.2.9 drops these silently ({"type": "number",
+               # "multipleOf": 0.5} accepted 1.3; dependentRequired / dependencies ignored;
+               # patternProperties keys went in untyped or not at all)
+               "multipleOf", "dependentRequired", "dependencies", "patternProperties")
+# Formats xgrammar 0.2.9 checks only by shape: "2020-02-31" passed format date (and date-time).
+_XGR_LOOSE_FORMATS = ("date", "date-time")
+_LOOKAROUND = re.compile(r"\(\?<?[=!]")
 _NOT_SCHEMAS = ("const", "enum", "default", "examples", "description", "title", "$comment")
 _NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
 
 
 def unenforced_keywords(schema: Any) -> list[str]:
-    """JSON-pointer-ish places where ``schema`` uses a keyword the grammar cannot enforce:
-    the keywords above, ``uniqueItems: true``, ``allOf`` with several members, ``pattern`` or
+    """JSON-pointer-ish places where ``schema`` uses a keyword xgrammar does not enforce (such a
+    schema goes to llguidance, :func:`backend_for`): the keywords above, ``format: date`` /
+    ``date-time``, a ``pattern`` with look-around, ``uniqueItems: true``, ``allOf`` with several members, ``pattern`` or
     ``format`` together with ``minLength`` / ``maxLength`` (the lengths are dropped), ``anyOf`` /
     ``oneOf`` / ``allOf`` / ``$ref`` beside other constraints (the siblings are dropped), ``oneOf``
     whose members may overlap (it is compiled as ``anyOf``), a ``required`` name missing from
@@ -78,6 +96,10 @@ def unenforced_keywords(schema: Any) -> list[str]:
             found.append(f"allOf at {where}")
         if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
             found.append(f"{'pattern' if 'pattern' in node else 'format'} with minLength / maxLength at {where}")
+        if node.get("format") in _XGR_LOOSE_FORMATS:
+            found.append(f"format {node['format']} at {where}")
+        if isinstance(node.get("pattern"), str) and _LOOKAROUND.search(node["pattern"]):
+            found.append(f"pattern with look-around at {where}")
         found += _dropped_constraints(node, where)
         for k, v in node.items():
             if k in _NAME_MAPS and isinstance(v, dict):
@@ -226,13 +248,6 @@ def _dropped_constraints(node: dict, where: str) -> list[str]:
     return found
 
 
-def _refuse_unenforced(schema: Any, what: str) -> None:
-    bad = unenforced_keywords(schema)
-    if bad:
-        raise GrammarCompileError(f"{what} uses JSON Schema keywords the grammar cannot enforce: "
-                                  f"{'; '.join(sorted(bad)[:8])}")
-
-
 # Longest run of whitespace allowed between the tokens of a call's arguments (the model and the
 # chat template write one space; unbounded, a weak model could fill max_tokens with newlines).
 TOOLS_MAX_WHITESPACE = 2
@@ -252,8 +267,202 @@ def tools_structural_tag(tools: list[dict], tool_choice: Any = "auto", parallel_
                                         max_whitespace_cnt=TOOLS_MAX_WHITESPACE)
 
 
+BACKENDS = ("xgrammar", "llguidance")
+
+# llguidance's JSON options: the layout xgrammar writes with any_whitespace=False ({"a": 1, "b": 2});
+# set as overrides, so that a schema's own "x-guidance" cannot turn on `lenient` (which ignores
+# keywords llguidance does not implement) or `coerce_one_of` (oneOf compiled as anyOf).
+_LLG_JSON = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False,
+             "lenient": False, "coerce_one_of": False}
+# Formats the JSON Schema drafts define (and `jsonschema`'s format checker knows). Any other
+# format is an annotation (validators ignore it, as xgrammar does): it is dropped for llguidance,
+# which otherwise raises "Unknown format". A defined format llguidance does not implement
+# (uri-reference, regex, ...) is kept, and llguidance refuses it.
+_DEFINED_FORMATS = {"date-time", "date", "time", "duration", "email", "idn-email", "hostname", "idn-hostname",
+                    "ipv4", "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid", "uri-template",
+                    "json-pointer", "relative-json-pointer", "regex", "color", "host-name", "ip-address"}
+
+
+def _walk(schema: Any):
+    """(node, where) for every schema node of ``schema`` (as :func:`unenforced_keywords` walks)."""
+    stack = [(schema, "$")]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, list):
+            stack.extend((x, f"{where}[{i}]") for i, x in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        yield node, where
+        for k, v in node.items():
+            if k in _NAME_MAPS and isinstance(v, dict):
+                stack.extend((sub, f"{where}.{k}.{name}") for name, sub in v.items())
+            elif k not in _NOT_SCHEMAS:
+                stack.append((v, f"{where}.{k}"))
+
+
+def _llguidance_schema(schema: Any, strict: bool) -> Any:
+    """A copy of ``schema`` for llguidance: custom (undefined) formats dropped; with ``strict``,
+    no properties beyond those named (``additionalProperties: false`` where absent, except on
+    direct ``allOf`` members, which other members may extend) and no items beyond
+    ``prefixItems``, as xgrammar's strict mode."""
+    import copy
+    schema = copy.deepcopy(schema)
+    in_allof = set()
+    for node, where in _walk(schema):
+        if isinstance(node.get("allOf"), list):
+            in_allof.update(id(m) for m in node["allOf"])
+        if isinstance(node.get("format"), str) and node["format"] not in _DEFINED_FORMATS:
+            del node["format"]
+        _rewrite_dependencies(node)
+        if strict and id(node) not in in_allof:
+            if ("properties" in node or node.get("type") == "object") and "additionalProperties" not in node:
+                node["additionalProperties"] = False
+            if "prefixItems" in node and "items" not in node:
+                node["items"] = False
+    return schema
+
+
+def _rewrite_dependencies(node: dict) -> None:
+    """Replace ``dependentRequired`` / ``dependentSchemas`` / draft-4 ``dependencies`` (which
+    llguidance does not implement) by what they mean, in keywords it does: for each key ``k``,
+    ``anyOf: [{properties: {k: false}}, {required: [k, ...]} or {allOf: [{required: [k]}, S]}]``
+    (``k`` absent, or present with what it needs), added to the node's ``allOf``."""
+    extra = []
+    for kw in ("dependentRequired", "dependentSchemas", "dependencies"):
+        deps = node.get(kw)
+        if not isinstance(deps, dict):
+            continue
+        del node[kw]
+        for k, need in deps.items():
+            if isinstance(need, str):   # draft 3: one name
+                need = [need]
+            present = {"required": [k, *need]} if isinstance(need, list) else {"allOf": [{"required": [k]}, need]}
+            extra.append({"anyOf": [{"properties": {k: False}}, present]})
+    if extra:
+        node["allOf"] = (node["allOf"] if isinstance(node.get("allOf"), list) else []) + extra
+
+
+def _places(schema: Any, message: str) -> list[str]:
+    """Where ``schema`` uses the keywords llguidance's error ``message`` names (its messages say
+    which keyword, not where): the places :func:`unenforced_keywords` lists, plus any node
+    holding a keyword named in "Unimplemented keys: [...]" or the format in "Unknown format: X"."""
+    keys = re.search(r"Unimplemented keys: \[([^\]]*)\]", message)
+    named = set(re.findall(r'"([$\w]+)"', keys.group(1))) if keys else set()
+    fmt = re.search(r"Unknown format: (\S+)", message)
+    words = {p.split(" ", 1)[0] for p in unenforced_keywords(schema)}
+    if "regex" in message:
+        message += " pattern"      # a regex llguidance's parser refused is a pattern's
+    if "Resource" in message:
+        message += " $ref"         # a $ref it could not resolve
+    found = [p for p in unenforced_keywords(schema) if p.split(" ", 1)[0] in message and p.split(" ", 1)[0] in words]
+    for node, where in _walk(schema):
+        found += [f"{k} at {where}" for k in sorted(named) if k in node and f"{k} at {where}" not in found]
+        if fmt and node.get("format") == fmt.group(1):
+            found.append(f"format {fmt.group(1)} at {where}")
+    return found
+
+
+def _tool_schemas(v: dict) -> list[tuple[str, Any]]:
+    return [(t.get("function", {}).get("name"), t.get("function", {}).get("parameters")) for t in v.get("tools") or []]
+
+
+def backend_for(spec: GrammarSpec) -> str:
+    """Which backend compiles ``spec`` (a spec :func:`_check` returned): xgrammar unless the spec
+    uses something xgrammar does not enforce. Raises nothing; a spec llguidance cannot enforce
+    either is refused when llguidance compiles it."""
+    if spec.kind == "json_schema":
+        return "llguidance" if unenforced_keywords(spec.value) else "xgrammar"
+    if spec.kind == "tools":
+        if spec.value.get("tool_choice", "auto") == "none":
+            return "xgrammar"  # free text: no argument schema takes part
+        return "llguidance" if any(unenforced_keywords(p) for _, p in _tool_schemas(spec.value)) else "xgrammar"
+    if spec.kind == "lark":
+        return "llguidance"   # its native syntax (xgrammar's from_lark takes a subset)
+    if spec.kind == "regex" and (_LOOKAROUND.search(spec.value) or optional_group_starting_optional(spec.value)):
+        return "llguidance"   # xgrammar ignores look-around and mis-compiles such groups; llguidance refuses look-around
+    return "xgrammar"
+
+
+def _lark_str(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False)
+
+
+def tools_lark(tools: list[dict], tool_choice: Any = "auto", parallel_tool_calls: bool = True,
+               special: frozenset = frozenset()) -> str:
+    """A Lark grammar (llguidance) accepting what :func:`tools_structural_tag` accepts: Qwen3
+    ``<tool_call>`` blocks with each tool's arguments under its schema (llguidance's ``%json``),
+    free text outside them for ``auto`` (text never containing ``<tool_call>``, ``<think>`` or
+    ``</think>``), at least one call first for ``required`` / a named tool, one call at most
+    without ``parallel_tool_calls``. ``special``: the tags that are special tokens of the tokenizer
+    (referenced as ``<tag>``, which text cannot spell)."""
+    if isinstance(tool_choice, dict):
+        name = tool_choice.get("function", {}).get("name")
+        tools = [t for t in tools if t.get("function", {}).get("name") == name]
+        if not tools:
+            raise GrammarCompileError(f"tool_choice names {name!r}, which is not among the tools")
+        tool_choice, parallel_tool_calls = "required", False   # one call of that tool, as xgrammar's
+
+    def tag(t):
+        return f"<{t[1:-1]}>" if t in special else _lark_str(t)
+    rules, alts = [], []
+    for i, t in enumerate(tools):
+        fn = t.get("function", {})
+        params = fn.get("parameters") or {"type": "object"}
+        schema = _llguidance_schema(params, strict=False)
+        if isinstance(schema, dict):
+            schema["x-guidance"] = _LLG_JSON
+        begin = "\n" + json.dumps({"name": fn.get("name")}, ensure_ascii=False)[:-1] + ', "arguments": '
+        rules.append(f'call_{i}: {tag("<tool_call>")} {_lark_str(begin)} args_{i} {_lark_str("}" + chr(10))} '
+                     f'{tag("</tool_call>")}')
+        rules.append(f"args_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
+        alts.append(f"call_{i}")
+    start = {("auto", True): "TEXT (call TEXT)*", ("auto", False): "TEXT | TEXT call",
+             ("required", True): "call (TEXT call)* TEXT", ("required", False): "call"}[
+        (tool_choice, bool(parallel_tool_calls))]
+    text = "TEXT: /(?s:.*)/ & ~/(?s:.*(<tool_call>|<think>|<\\/think>).*)/"
+    return "\n".join(["%llguidance {}", f"start: {start}", f"call: {' | '.join(alts)}", text] + rules) + "\n"
+
+
+def _llguidance_grammar(spec: GrammarSpec, special: frozenset = frozenset()) -> str:
+    """The llguidance grammar (its JSON form) for a spec :func:`_check` returned."""
+    import llguidance as llg
+    v = spec.kind, spec.value
+    if spec.kind == "json_schema":
+        return llg.LLMatcher.grammar_from_json_schema(json.dumps(_llguidance_schema(spec.value, spec.strict)),
+                                                      overrides=_LLG_JSON)
+    if spec.kind == "regex":
+        return llg.LLMatcher.grammar_from_regex(spec.value)
+    if spec.kind == "lark":
+        return llg.LLMatcher.grammar_from_lark(spec.value)
+    if spec.kind == "tools":
+        v = spec.value
+        return llg.LLMatcher.grammar_from_lark(tools_lark(v["tools"], v.get("tool_choice", "auto"),
+                                                          v.get("parallel_tool_calls", True), special))
+    raise GrammarCompileError(f"no llguidance route for a {spec.kind} grammar")  # backend_for never asks
+
+
+def _llguidance_refusal(spec: GrammarSpec, message: str) -> str:
+    """The refusal for a spec llguidance did not compile: what, where, and llguidance's words."""
+    message = _clean(message)
+    if spec.kind == "json_schema":
+        where = _places(spec.value, message)
+        return (f"the schema uses JSON Schema keywords the grammar backends cannot enforce "
+                f"(xgrammar drops them, llguidance refuses them): {'; '.join(sorted(where)[:8]) or 'what llguidance names'} "
+                f"(llguidance: {message[:300]})")
+    if spec.kind == "tools":
+        for name, params in _tool_schemas(spec.value):
+            where = _places(params, message)
+            if where:
+                return (f"tool {name!r} uses JSON Schema keywords the grammar backends cannot enforce: "
+                        f"{'; '.join(sorted(where)[:8])} (llguidance: {message[:300]})")
+        return f"the tools grammar cannot be enforced (llguidance: {message[:300]})"
+    return f"invalid {spec.kind} grammar: {message[:400]}"
+
+
 def _check(spec: GrammarSpec) -> GrammarSpec:
-    """What the compiler refuses before compiling. Returns the spec to compile (a json_schema
+    """What the compiler refuses before compiling (malformed input; what no backend enforces is
+    refused when llguidance compiles it, see :func:`backend_for`). Returns the spec to compile (a json_schema
     given as text comes back parsed, so the compiler process does not parse and check it again)."""
     v = spec.value
     if spec.kind == "json_schema":
@@ -263,7 +472,6 @@ def _check(spec: GrammarSpec) -> GrammarSpec:
                 parsed = json.loads(v)
             except json.JSONDecodeError as e:
                 raise GrammarCompileError(f"invalid json_schema grammar: not valid JSON: {e}") from None
-        _refuse_unenforced(parsed, "the schema")
         return GrammarSpec("json_schema", parsed, spec.strict)
     if spec.kind == "choice" and (not v or not isinstance(v, list) or not all(isinstance(x, str) for x in v)):
         raise GrammarCompileError("choice needs a non-empty list of strings")
@@ -273,9 +481,6 @@ def _check(spec: GrammarSpec) -> GrammarSpec:
         tools = (v or {}).get("tools") or []
         if not tools:
             raise GrammarCompileError("a tools grammar needs at least one tool")
-        for t in tools:
-            fn = t.get("function", {})
-            _refuse_unenforced(fn.get("parameters"), f"tool {fn.get('name')!r}")
     return spec
 
 
@@ -320,28 +525,180 @@ def _clean(message: str) -> str:
     return " ".join(re.sub(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ", "", message).split())
 
 
-def _compile_worker(info_json: str, conn) -> None:
-    """The compiler process: compile specs from ``conn`` and send back serialized grammars."""
+class Matcher:
+    """One request's grammar state, whichever backend compiled the grammar.
+
+    Token ids index the model's vocabulary. ``accept_token`` leaves the state unchanged when it
+    refuses a token (both backends); ``rollback(n)`` undoes the last ``n`` accepted tokens;
+    ``is_terminated`` is True once a stop token (the tokenizer's EOS) was accepted;
+    ``find_jump_forward_string`` is the text every continuation starts with ("" if none). The
+    batch bitmask is filled by :meth:`GrammarCompiler.apply_bitmask`, which reads ``native``.
+    """
+    backend: str = ""
+    native: Any = None
+
+    def accept_token(self, token: int) -> bool:
+        raise NotImplementedError
+
+    def accept_string(self, text: str) -> bool:
+        """Accept ``text`` whole (xgrammar: by bytes; llguidance: its tokens), or nothing."""
+        raise NotImplementedError
+
+    def rollback(self, num_tokens: int) -> None:
+        raise NotImplementedError
+
+    def is_terminated(self) -> bool:
+        raise NotImplementedError
+
+    def find_jump_forward_string(self) -> str:
+        raise NotImplementedError
+
+
+class XGrammarMatcher(Matcher):
+    backend = "xgrammar"
+
+    def __init__(self, compiled):
+        import xgrammar as xgr
+        self.native = xgr.GrammarMatcher(compiled)
+
+    def accept_token(self, token: int) -> bool:
+        return self.native.accept_token(token)
+
+    def accept_string(self, text: str) -> bool:
+        return self.native.accept_string(text)
+
+    def rollback(self, num_tokens: int) -> None:
+        self.native.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return self.native.is_terminated()
+
+    def find_jump_forward_string(self) -> str:
+        return self.native.find_jump_forward_string()
+
+
+@dataclass
+class LLGuidanceGrammar:
+    """A grammar llguidance compiled: its JSON form and a matcher in the start state, which
+    :class:`LLGuidanceMatcher` copies (``LLMatcher.deep_copy``) instead of rebuilding."""
+    grammar: str
+    template: Any
+    tokenizer: Any  # the llguidance.LLTokenizer
+
+    @property
+    def memory_size_bytes(self) -> int:
+        return len(self.grammar)
+
+
+class LLGuidanceMatcher(Matcher):
+    """llguidance's ``LLMatcher`` behind :class:`Matcher`. A stop token is accepted (and never
+    passed to llguidance) when the matcher is in an accepting state: llguidance refuses EOS once
+    its grammar cannot extend (a finished ``choice``), where xgrammar accepts it."""
+    backend = "llguidance"
+
+    def __init__(self, compiled: LLGuidanceGrammar):
+        self.native = compiled.template.deep_copy()
+        self._tok = compiled.tokenizer
+        self._stop = set(compiled.tokenizer.eos_tokens)
+        self._terminated = False
+
+    def accept_token(self, token: int) -> bool:
+        if self._terminated or self.native.is_error():
+            return False
+        if token in self._stop:
+            self._terminated = self.native.is_accepting()
+            return self._terminated
+        # llguidance enters a permanent error state on a refused token: check first.
+        if self.native.validate_tokens([token]) != 1:
+            return False
+        return self.native.consume_token(token)
+
+    def accept_string(self, text: str) -> bool:
+        ids = self._tok.tokenize_str(text)
+        if self._terminated or self.native.is_error() or self.native.validate_tokens(ids) != len(ids):
+            return False
+        return self.native.consume_tokens(ids)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens and self._terminated:
+            self._terminated, num_tokens = False, num_tokens - 1
+        if num_tokens and not self.native.rollback(num_tokens):
+            raise RuntimeError(f"llguidance could not roll back {num_tokens} tokens: {self.native.get_error()}")
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+    def find_jump_forward_string(self) -> str:
+        if self._terminated or self.native.is_error() or self.native.is_stopped():
+            return ""
+        return self.native.compute_ff_bytes().decode("utf-8", errors="ignore")  # an incomplete last char stays out
+
+
+def _llguidance_tokenizer(tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    """(llguidance.LLTokenizer, the Qwen3 tool tags that are special tokens) for a HF tokenizer."""
+    import llguidance.hf
+    tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(stop_token_ids))
+    special = set()
+    for t in ("<tool_call>", "</tool_call>"):
+        i = tokenizer.convert_tokens_to_ids(t)
+        if isinstance(i, int) and i != tokenizer.unk_token_id and tok.is_special_token(i):
+            special.add(t)
+    return tok, frozenset(special)
+
+
+def _llguidance_compile(tok, special: frozenset, spec: GrammarSpec, grammar: str | None = None) -> LLGuidanceGrammar:
+    """Build and check an llguidance matcher for ``spec`` (or for ``grammar``, its JSON form,
+    already built), computing its first mask so that lazy errors surface here.
+
+    Raises:
+        GrammarCompileError: llguidance refused the grammar (its message, with where for schemas).
+    """
+    import llguidance as llg
+    try:
+        grammar = grammar or _llguidance_grammar(spec, special)
+    except ValueError as e:
+        raise GrammarCompileError(_llguidance_refusal(spec, str(e))) from None
+    m = llg.LLMatcher(tok, grammar, log_level=0)
+    if not m.is_error():
+        m.compute_bitmask()
+    if m.is_error():
+        raise GrammarCompileError(_llguidance_refusal(spec, m.get_error()))
+    return LLGuidanceGrammar(grammar, m, tok)
+
+
+def _compile_worker(info_json: str, llg_args: tuple, conn) -> None:
+    """The compiler process: compile ``(backend, spec)`` s from ``conn`` and send back xgrammar's
+    serialized grammar or llguidance's checked grammar text."""
     import xgrammar as xgr
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(info_json), max_threads=1)
+    llg_tok = None
     while True:
         try:
-            spec = conn.recv()
+            backend, spec = conn.recv()
         except EOFError:
             return
         try:
-            conn.send(("ok", _compile_with(compiler, spec).serialize_json()))
+            if backend == "xgrammar":
+                conn.send(("ok", _compile_with(compiler, spec).serialize_json()))
+            else:
+                llg_tok = llg_tok or _llguidance_tokenizer(*llg_args)
+                conn.send(("ok", _llguidance_compile(*llg_tok, spec).grammar))
+        except GrammarCompileError as e:
+            conn.send(("refused", str(e)))
         except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own types
             conn.send(("error", str(e)))
 
 
 class GrammarCompiler:
-    """Compiles :class:`GrammarSpec` s for one tokenizer, in a child process, with a cache.
+    """Compiles :class:`GrammarSpec` s for one tokenizer, in a child process, with a cache, with
+    the backend :func:`backend_for` picks (xgrammar or llguidance, the same bounds for both).
 
     Compilation runs in a separate process (``isolate=True``) that is killed and replaced when it
     passes ``timeout_s``, dies or holds more than ``memory_bytes`` of resident memory: a schema that crashes, hangs or
     explodes the compiler costs its request a :class:`GrammarCompileError`, never the replica. The
-    compiled grammar comes back serialized (xgrammar's JSON form). Compiled grammars are cached
+    compiled grammar comes back serialized (xgrammar's JSON form; for llguidance its checked
+    grammar text, from which this process builds one start-state matcher that each request's
+    matcher copies). Compiled grammars are cached
     by spec, least recently used first out, within ``cache_bytes``, each counted by the size of
     its serialized form: a deserialized grammar held about 0.8x that, while xgrammar's
     ``memory_size_bytes`` said 20-60x less (Github_hard schemas: 0.2-2.7 MB reported for grammars
@@ -376,7 +733,10 @@ class GrammarCompiler:
         self._cached_bytes = 0
         self._lock = threading.Lock()
         self._proc = self._conn = None
-        self._bitmask = self._batch = None   # the reused batch bitmask and xgrammar batch matcher
+        self._bitmask = self._batch = self._executor = None   # the reused batch bitmask, xgrammar / llguidance batch fillers
+        self.max_threads = max_threads
+        self._tokenizer = tokenizer
+        self._llg = None   # (llguidance.LLTokenizer, special tool tags), built on first use
         if not isolate:
             self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads)
             self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
@@ -386,7 +746,8 @@ class GrammarCompiler:
         import multiprocessing as mp
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_compile_worker, args=(self.info.serialize_json(), child),
+        llg_args = (self._tokenizer, self.vocab_size, list(self.info.stop_token_ids))
+        self._proc = ctx.Process(target=_compile_worker, args=(self.info.serialize_json(), llg_args, child),
                                  daemon=True, name="grammar-compiler")
         self._proc.start()
         child.close()
@@ -409,11 +770,18 @@ class GrammarCompiler:
         except (psutil.Error, AttributeError):
             return 0
 
-    def _compile_isolated(self, spec: GrammarSpec):
+    @property
+    def llg(self):
+        """(llguidance.LLTokenizer, the tool tags that are special tokens) of this tokenizer."""
+        if self._llg is None:
+            self._llg = _llguidance_tokenizer(self._tokenizer, self.vocab_size, list(self.info.stop_token_ids))
+        return self._llg
+
+    def _compile_isolated(self, backend: str, spec: GrammarSpec):
         started = self._proc is None or not self._proc.is_alive()
         if started:
             self._start()
-        self._conn.send(spec)
+        self._conn.send((backend, spec))
         # A fresh process first imports xgrammar: that wait is not the grammar's.
         deadline = time.monotonic() + self.timeout_s + (60 if started else 0)
         while not self._conn.poll(0.05):
@@ -433,8 +801,14 @@ class GrammarCompiler:
             # The process keeps what it grew to: a fresh one, so that the next grammar is not
             # refused for memory a previous one took.
             self._stop()
+        if status == "refused":
+            raise GrammarCompileError(payload)
         if status != "ok":
             raise GrammarCompileError(f"invalid {spec.kind} grammar: {_clean(payload)}")
+        if backend == "llguidance":
+            # Rebuilt here from the checked text (milliseconds for most grammars; the compiler
+            # process bounded the time); counted by the text's size.
+            return _llguidance_compile(*self.llg, spec, grammar=payload), len(payload)
         compiled = self.xgr.CompiledGrammar.deserialize_json(payload, self.info)
         size = len(payload)
         del payload
@@ -446,9 +820,9 @@ class GrammarCompiler:
         """Compile (or fetch from the cache) ``spec``.
 
         Raises:
-            GrammarCompileError: refused before compiling (keywords the grammar cannot enforce,
-                malformed input), xgrammar refused it (its message is included), or compilation
-                passed ``timeout_s``, died or ran out of memory.
+            GrammarCompileError: malformed input; keywords neither backend enforces (which and
+                where, with llguidance's message); the backend refused it (its message is
+                included); or compilation passed ``timeout_s``, died or ran out of memory.
         """
         key = spec.key()
         with self._lock:
@@ -457,10 +831,11 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return hit[0]
             spec = _check(spec)
+            backend = backend_for(spec)
             if self.isolate:
-                compiled, size = self._compile_isolated(spec)
+                compiled, size = self._compile_isolated(backend, spec)
             else:
-                compiled = self._compile_in_thread(spec)
+                compiled = self._compile_in_thread(backend, spec)
                 size = compiled.memory_size_bytes
             if size <= self.cache_bytes:
                 self._cache[key] = (compiled, size)
@@ -474,8 +849,11 @@ class GrammarCompiler:
                     _trim_heap()
             return compiled
 
-    def _compile_in_thread(self, spec: GrammarSpec):
-        future = self._pool.submit(_compile_with, self.compiler, spec)
+    def _compile_in_thread(self, backend: str, spec: GrammarSpec):
+        if backend == "llguidance":
+            future = self._pool.submit(_llguidance_compile, *self.llg, spec)
+        else:
+            future = self._pool.submit(_compile_with, self.compiler, spec)
         try:
             return future.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
@@ -485,16 +863,29 @@ class GrammarCompiler:
         except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own types
             raise GrammarCompileError(f"invalid {spec.kind} grammar: {_clean(str(e))}") from None
 
-    def matcher(self, spec: GrammarSpec):
-        """A fresh ``xgrammar.GrammarMatcher`` for one request."""
-        return self.xgr.GrammarMatcher(self.compile(spec))
+    def matcher(self, spec: GrammarSpec) -> Matcher:
+        """A fresh :class:`Matcher` for one request (xgrammar's or llguidance's)."""
+        compiled = self.compile(spec)
+        if isinstance(compiled, LLGuidanceGrammar):
+            return LLGuidanceMatcher(compiled)
+        return XGrammarMatcher(compiled)
+
+    def backend_of(self, spec: GrammarSpec) -> str:
+        """Which backend serves ``spec`` ("xgrammar" or "llguidance"); raises as :meth:`compile`."""
+        return backend_for(_check(spec))
 
     def apply_bitmask(self, logits: torch.Tensor, matchers: list) -> None:
         """Mask, in place, the tokens each row's matcher forbids (rows without a matcher untouched).
 
+        One int32 bitmask ``[B, ceil(vocab / 32)]`` (bit ``t % 32`` of word ``t // 32`` set = token
+        ``t`` allowed; the layout both backends write) is reused every step: xgrammar's rows are
+        filled by its batch matcher, llguidance's by its executor, in the same buffer, then applied
+        in one call. A llguidance matcher in its error state (a parser limit hit mid-output)
+        allows only the stop tokens, so that the output ends.
+
         Args:
             logits: ``[B, vocab]`` float32, on any device.
-            matchers: ``B`` entries, each a matcher or None.
+            matchers: ``B`` entries, each a :class:`Matcher` or None.
         """
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
@@ -504,7 +895,22 @@ class GrammarCompiler:
             self._bitmask = self.xgr.allocate_token_bitmask(max(n, 8), self.vocab_size)
             self._batch = self.xgr.BatchGrammarMatcher()
         bitmask = self._bitmask[:n]
-        # xgrammar's batch API: the rows are filled in one call (on its thread pool).
-        self._batch.batch_fill_next_token_bitmask([matchers[i] for i in rows], bitmask, indices=rows)
+        xgr_rows = [i for i in rows if matchers[i].backend == "xgrammar"]
+        llg_rows = [i for i in rows if matchers[i].backend == "llguidance"]
+        if xgr_rows:   # xgrammar's batch API: its rows filled in one call (on its thread pool)
+            self._batch.batch_fill_next_token_bitmask([matchers[i].native for i in xgr_rows], bitmask, indices=xgr_rows)
+        if llg_rows:
+            import llguidance
+            import llguidance.torch
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor(num_threads=self.max_threads)
+            llguidance.torch.fill_next_token_bitmask_par(self._executor, [(matchers[i].native, i) for i in llg_rows],
+                                                         bitmask)
+            for i in llg_rows:
+                if matchers[i].native.is_error():
+                    bitmask[i].zero_()
+                    for t in self.info.stop_token_ids:
+                        bit = 1 << (t % 32)
+                        bitmask[i, t // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit   # as int32
         index = rows if len(rows) < n else None
         self.xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=index)

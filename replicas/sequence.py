@@ -59,7 +59,7 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    matcher: Any = None                       # xgrammar.GrammarMatcher or None
+    matcher: Any = None                       # replicas.grammar.Matcher (either backend) or None
     kv_budget: float = 1.0                    # effective total KV budget (fraction of full KV)
     requested_budget: float = 1.0             # what the request asked for (kv_budget <= it)
     floor_budget: float = 0.0                 # the policy's floor for this prompt (kv_budget >= it)

@@ -117,36 +117,217 @@ def test_every_bfcl_ground_truth_passes_schema_and_grammar():
     assert report["calls_grammar_accepted"] >= report["calls"] - 8
 
 
+def _accepts(matcher, tokenizer, text: str) -> bool:
+    """The whole path: ``text`` token by token (as the model would write it), then EOS."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return all(matcher.accept_token(t) for t in ids) and matcher.accept_token(tokenizer.eos_token_id) \
+        and matcher.is_terminated()
+
+
+def _pydantic_schemas():
+    from typing import Literal, Union
+
+    from pydantic import BaseModel, Field
+
+    class Cat(BaseModel):
+        kind: Literal["cat"]
+        lives: int
+
+    class Dog(BaseModel):
+        kind: Literal["dog"]
+        bark: str
+
+    class Pet(BaseModel):
+        pet: Union[Cat, Dog] = Field(discriminator="kind")
+
+    class Code(BaseModel):
+        code: str = Field(pattern="^[A-Z]+$", max_length=3)
+    return Pet.model_json_schema(), Code.model_json_schema()
+
+
+PET, CODE = _pydantic_schemas()
+
+# Keyword classes xgrammar 0.2.9 does not enforce (unenforced_keywords finds them; each was seen
+# letting schema-breaking output through) and llguidance does: (schema, what unenforced_keywords
+# says, a valid instance, an invalid one the grammar must reject).
+MOVED_TO_LLGUIDANCE = [
+    ({"type": "number", "multipleOf": 0.5}, "multipleOf at $", "1.5", "1.3"),
+    ({"type": "integer", "multipleOf": 3, "minimum": 0, "maximum": 20}, "multipleOf at $", "9", "10"),
+    ({"allOf": [{"type": "integer"}, {"minimum": 5}, {"maximum": 8}]}, "allOf at $", "7", "9"),
+    ({"type": "object", "properties": {"b": {"type": "string", "pattern": "^a+$", "maxLength": 4}}},
+     "pattern with minLength / maxLength at $.properties.b", '{"b": "aaa"}', '{"b": "aaaaa"}'),
+    ({"type": "string", "format": "date"}, "format date at $", '"2020-02-28"', '"2020-02-31"'),
+    ({"type": "object", "patternProperties": {"^x": {"type": "integer"}}, "additionalProperties": False},
+     "patternProperties at $", '{"xa": 1}', '{"xa": "s"}'),
+    ({"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["b"]}, "required b not in properties",
+     '{"a": true, "b": 1}', '{"a": true}'),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "anyOf": [{"required": ["a"]}]},
+     "anyOf beside type, properties", '{"a": 1}', '{}'),
+    ({"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "enum": ["x"]}, "$ref beside enum", '"x"', '"y"'),
+    ({"type": "string", "enum": ["a", 1]}, "outside type string", '"a"', '1'),
+    ({"type": "string", "pattern": "^v(?:\\s*\\+json)?$"}, "optional group that starts with an optional atom",
+     '"v +json"', '"v "'),
+    ({"type": "object", "properties": {"a": {}, "b": {}}, "dependentRequired": {"a": ["b"]}},
+     "dependentRequired at $", '{"a": 1, "b": 2}', '{"a": 1}'),
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "properties": {"a": {}, "c": {}},
+      "dependencies": {"a": {"required": ["c"]}}},
+     "dependencies at $", '{"a": 1, "c": 2}', '{"a": 1}'),
+    (PET, "oneOf with members that may overlap", '{"pet": {"kind": "cat", "lives": 9}}',
+     '{"pet": {"kind": "cat", "bark": "x"}}'),   # a pydantic discriminated union
+    (CODE, "pattern with minLength / maxLength", '{"code": "AB"}', '{"code": "ABCD"}'),  # Field(pattern, max_length)
+]
+
+
+@pytest.mark.parametrize("schema,needle,valid,invalid", MOVED_TO_LLGUIDANCE)
+def test_keywords_xgrammar_drops_are_served_by_llguidance(engine, schema, needle, valid, invalid):
+    """Schema in, backend chosen, the matcher accepts the valid instance and rejects the invalid
+    one token by token (then EOS); both validate as expected with jsonschema."""
+    from replicas.grammar import GrammarSpec, unenforced_keywords
+    assert any(needle in x for x in unenforced_keywords(schema)), unenforced_keywords(schema)
+    validator = jsonschema.validators.validator_for(schema)(schema, format_checker=jsonschema.FormatChecker())
+    assert validator.is_valid(json.loads(valid)) and not validator.is_valid(json.loads(invalid))
+    spec = GrammarSpec("json_schema", schema)
+    assert engine.grammar.backend_of(spec) == "llguidance"
+    assert engine.grammar.matcher(spec).backend == "llguidance"
+    assert _accepts(engine.grammar.matcher(spec), engine.tokenizer, valid)
+    assert not _accepts(engine.grammar.matcher(spec), engine.tokenizer, invalid)
+    # The same as a tool's parameters (root-relative $refs stay at the root).
+    wrap = schema.get("type") != "object"
+    if wrap and "$ref" in json.dumps(schema):
+        return
+    params = {"type": "object", "properties": {"x": schema}, "required": ["x"]} if wrap else schema
+    tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+    tools = GrammarSpec("tools", {"tools": [tool], "tool_choice": "required"})
+    assert engine.grammar.backend_of(tools) == "llguidance"
+    call = '<tool_call>\n{"name": "f", "arguments": %s}\n</tool_call>' % ('{"x": %s}' if wrap else "%s")
+    assert _accepts(engine.grammar.matcher(tools), engine.tokenizer, call % valid)
+    assert not _accepts(engine.grammar.matcher(tools), engine.tokenizer, call % invalid)
+
+
 @pytest.mark.parametrize("schema,needle", [
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems at $"),
     ({"type": "array", "contains": {"const": 3}}, "contains at $"),
     ({"type": "integer", "not": {"const": 0}}, "not at $"),
-    ({"allOf": [{"type": "integer"}, {"minimum": 5}]}, "allOf at $"),
-    ({"type": "object", "properties": {"b": {"type": "string", "pattern": "^a+$", "maxLength": 4}}},
-     "pattern with minLength / maxLength at $.properties.b"),
     ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "if at $"),
-    # Found by a new-user trial: each produced schema-breaking output under the grammar.
-    ({"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["b"]}, "required b not in properties"),
-    ({"type": "object", "properties": {"a": {"type": "boolean"}}, "anyOf": [{"required": ["a"]}]},
-     "anyOf beside type, properties"),
-    ({"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "enum": ["x"]}, "$ref beside enum"),
-    ({"type": "string", "enum": ["a", 1]}, "outside type string"),
-    ({"type": "integer", "const": "a"}, "outside type integer"),
-    ({"oneOf": [{"type": "number"}, {"type": "integer", "minimum": 3}]}, "oneOf with members that may overlap"),
+    ({"oneOf": [{"type": "number"}, {"type": "integer", "minimum": 3}]}, "oneOf with members that may overlap at $"),
     ({"$ref": "http://example.com/x.json"}, "not a local JSON pointer"),
-    # JSONSchemaBench Github_trivial #243 over HTTP: "video/s_data " came out for a MIME pattern.
-    ({"type": "string", "pattern": "^v(?:\\s*\\+json)?$"}, "optional group that starts with an optional atom"),
+    ({"type": "object", "properties": {"p": {"type": "string", "pattern": "^(?!x)[a-z]+$"}}},
+     "pattern with look-around at $.properties.p"),
+    ({"type": "object", "properties": {"u": {"type": "string", "format": "uri-reference", "maxLength": 9}}},
+     "format uri-reference at $.properties.u"),
+    ({"type": "object", "propertyNames": {"pattern": "^a"}, "patternProperties": {"^a": {}}}, "propertyNames at $"),
 ])
-def test_unenforceable_keywords_are_refused(engine, schema, needle):
-    """xgrammar 0.2.9 compiles these but lets output break them: refused with where they are."""
+def test_keywords_neither_backend_enforces_are_refused_with_where(engine, schema, needle):
+    """Refused (400 through the API), naming the keyword and where it is."""
     from replicas.errors import GrammarCompileError
-    from replicas.grammar import GrammarSpec, unenforced_keywords
-    assert any(needle in x for x in unenforced_keywords(schema))
-    with pytest.raises(GrammarCompileError, match="cannot enforce"):
+    from replicas.grammar import GrammarSpec
+    with pytest.raises(GrammarCompileError, match="cannot enforce") as e:
         engine.grammar.compile(GrammarSpec("json_schema", schema))
+    assert needle in str(e.value), str(e.value)
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": schema}}}}
-    with pytest.raises(GrammarCompileError, match="tool 'f' uses"):
+    with pytest.raises(GrammarCompileError, match="tool 'f' uses .*cannot enforce"):
         engine.grammar.compile(GrammarSpec("tools", {"tools": [tool]}))
+
+
+def test_schema_xgrammar_enforces_stays_on_xgrammar(engine):
+    from replicas.grammar import GrammarSpec
+    for spec in (GrammarSpec("json_schema", SCHEMA), GrammarSpec("json_schema", SCHEMA, strict=True),
+                 GrammarSpec("json_object"), GrammarSpec("regex", "[a-c]{2}"), GrammarSpec("choice", ["a", "b"]),
+                 GrammarSpec("ebnf", 'root ::= "x"')):
+        assert engine.grammar.backend_of(spec) == "xgrammar"
+        assert engine.grammar.matcher(spec).backend == "xgrammar"
+    assert engine.grammar.backend_of(GrammarSpec("lark", 'start: "x"')) == "llguidance"
+
+
+def test_strict_on_llguidance_allows_no_extra_properties(engine):
+    from replicas.grammar import GrammarSpec
+    schema = {"type": "object", "properties": {"v": {"type": "integer", "multipleOf": 2}}, "required": ["v"]}
+    assert _accepts(engine.grammar.matcher(GrammarSpec("json_schema", schema)), engine.tokenizer, '{"v": 2, "w": 1}')
+    strict = GrammarSpec("json_schema", schema, strict=True)
+    assert not _accepts(engine.grammar.matcher(strict), engine.tokenizer, '{"v": 2, "w": 1}')
+    assert _accepts(engine.grammar.matcher(strict), engine.tokenizer, '{"v": 2}')
+
+
+@pytest.mark.parametrize("backend_schema", [SCHEMA, {**SCHEMA, "properties": {**SCHEMA["properties"],
+                                                                                 "days": {"type": "integer", "multipleOf": 3}}}])
+def test_matcher_interface_rollback_and_jump_forward(engine, backend_schema):
+    """Both backends: a refused token leaves the state as it was, rollback undoes accepted tokens
+    (EOS included), the jump-forward string is the forced text."""
+    from replicas.grammar import GrammarSpec
+    m = engine.grammar.matcher(GrammarSpec("json_schema", backend_schema))
+    tok = engine.tokenizer
+    assert m.find_jump_forward_string().startswith('{"city": "')
+    ids = tok('{"city": "Paris", "days": 3, "unit": "c"}', add_special_tokens=False)["input_ids"]
+    assert not m.accept_token(tok('7', add_special_tokens=False)["input_ids"][0])  # not valid first
+    assert all(m.accept_token(t) for t in ids) and m.accept_token(tok.eos_token_id) and m.is_terminated()
+    m.rollback(1)   # the EOS
+    assert not m.is_terminated()
+    m.rollback(len(ids))
+    assert m.find_jump_forward_string().startswith('{"city": "')
+    assert all(m.accept_token(t) for t in ids) and m.accept_token(tok.eos_token_id)
+
+
+def test_mixed_batch_mask_one_buffer(engine):
+    """One batch, rows on xgrammar, llguidance and none: each row's mask is its own matcher's."""
+    import torch
+
+    from replicas.grammar import GrammarSpec
+    specs = [GrammarSpec("json_schema", {"type": "boolean"}), None,
+             GrammarSpec("json_schema", {"type": "integer", "multipleOf": 2}), GrammarSpec("choice", ["yes", "no"]),
+             GrammarSpec("lark", 'start: "maybe"')]
+    matchers = [engine.grammar.matcher(s) if s else None for s in specs]
+    assert [m.backend if m else None for m in matchers] == ["xgrammar", None, "llguidance", "xgrammar", "llguidance"]
+    vocab = engine.model.config.vocab_size
+    logits = torch.zeros(len(specs), vocab)
+    engine.grammar.apply_bitmask(logits, matchers)
+    tok = engine.tokenizer
+
+    def allowed(r):
+        return {tok.decode([t]) for t in torch.nonzero(logits[r] == 0).flatten().tolist()}
+    assert allowed(0) and all("true".startswith(a) or "false".startswith(a) for a in allowed(0))
+    assert (logits[1] == 0).all()
+    assert allowed(2) and all(a and (a.isdigit() or a == "-") for a in allowed(2)), allowed(2)
+    assert allowed(3) and all("yes".startswith(a) or "no".startswith(a) for a in allowed(3))
+    assert allowed(4) and all("maybe".startswith(a) for a in allowed(4))
+    for r, m in enumerate(matchers):   # the same as each alone
+        if m is not None:
+            alone = torch.zeros(1, vocab)
+            engine.grammar.apply_bitmask(alone, [m])
+            assert torch.equal(alone[0], logits[r])
+
+
+def test_engine_batch_mixing_backends_validates(engine, chat_prompts):
+    """The engine decodes one batch whose requests use both backends; every output validates."""
+    schemas = [SCHEMA, {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 5, "minimum": 0,
+                                                                 "maximum": 100}}, "required": ["n"],
+                        "additionalProperties": False}]
+    outs = engine.generate(chat_prompts[:2], SamplingParams(max_tokens=48, temperature=1.0, seed=3),
+                           [GrammarSpec("json_schema", s) for s in schemas])
+    assert [engine.grammar.backend_of(GrammarSpec("json_schema", s)) for s in schemas] == ["xgrammar", "llguidance"]
+    for out, schema in zip(outs, schemas):
+        if out.finish_reason == "stop":
+            jsonschema.validate(json.loads(out.text), schema)
+        else:
+            assert out.text.startswith("{")
+
+
+def test_tools_lark_accepts_what_the_structural_tag_accepts(engine):
+    """The llguidance tool grammar (tools_lark) against xgrammar's structural tag, on a schema
+    both enforce: the same strings accepted for each tool_choice and parallel_tool_calls."""
+    from replicas.grammar import GrammarSpec, LLGuidanceMatcher, _llguidance_compile
+    tools = [{"type": "function", "function": {"name": n, "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}} for n in ("f", "g")]
+    call = '<tool_call>\n{"name": "%s", "arguments": {"x": 1}}\n</tool_call>'
+    texts = [call % "f", call % "g", call % "g" + "\n" + call % "g", "hi " + call % "f", call % "f" + "\n" + call % "g", call % "g" + " bye", "hello", "",
+             "a <tool_call> b", call % "h", '<tool_call>\n{"name": "f", "arguments": {"x": "1"}}\n</tool_call>']
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "g"}}):
+        for parallel in (True, False):
+            spec = GrammarSpec("tools", {"tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel})
+            compiled = _llguidance_compile(*engine.grammar.llg, spec)
+            xgr = [_accepts(engine.grammar.matcher(spec), engine.tokenizer, t) for t in texts]
+            llg = [_accepts(LLGuidanceMatcher(compiled), engine.tokenizer, t) for t in texts]
+            assert llg == xgr, (choice, parallel, xgr, llg)
+            assert any(xgr)
 
 
 def test_keywords_inside_values_are_not_schema(engine):
