@@ -66,7 +66,7 @@ class XGrammarBackend:
         if self._bitmask is None or self._bitmask.shape[0] < len(matchers):
             self._bitmask = self.xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
         bitmask = self._bitmask[:len(matchers)]
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        self._batch.batch_fill_next_token_bitmask([m.native for m in matchers], bitmask)   # replicas.grammar.Matcher s
         return bitmask
 
     def apply(self, logits, bitmask) -> None:
