@@ -14,8 +14,9 @@ token for all heads of a layer (scores summed over heads); SnapKV's scores are o
 same recipe (window 64, kernel 5, average pooling; window always kept), StreamingLLM's too (4 sinks,
 true positions kept, no re-rotation). PyramidKV: both draw an arithmetic sequence of per-layer
 budgets with ratio ``beta`` = 20 over SnapKV's scores, but kvpress (0.5.5) draws it over the kept
-tokens window included and falls back to a uniform (SnapKV) split when ``B < beta * window``
-(1,280 tokens), while ours follows the paper's code (pyramid above the window, no fallback).
+tokens window included and falls back to a uniform (SnapKV) split when its last layer's share is
+under the window (``B < beta * window`` = 1,280 tokens, unless its clamp of the first layer to
+``n - window`` lifts the last), while ours follows the paper's code (pyramid above the window, no fallback).
 Before the texts, the tool prints and stores each side's per-layer kept tokens for the first
 prompt at every ``B`` (``allocations``), which is deterministic.
 

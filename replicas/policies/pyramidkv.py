@@ -16,7 +16,8 @@ worth of them and the deep layers lost the whole prompt: measured in
 
 NVIDIA kvpress's ``PyramidKVPress`` (0.5.5) draws the same arithmetic sequence over the kept tokens
 window included and falls back to a uniform (SnapKV) split when the last layer's share would be
-under the window, i.e. for ``B < beta * window`` (1,280 tokens at the defaults); this class
+under the window (for ``B < beta * window``, 1,280 tokens at the defaults, unless its clamp of the
+first layer to ``n - window`` lifts the last); this class
 follows the paper and the authors' code (KVCache-Factory), which have no such fallback.
 """
 
