@@ -1,4 +1,4 @@
-"""Cross-check of our SnapKV and StreamingLLM against NVIDIA kvpress on the same prompts.
+"""Cross-check of our SnapKV, PyramidKV and StreamingLLM against NVIDIA kvpress on the same prompts.
 
     python -m bench.kvpress_crosscheck --kvpress-python /root/.cache/kvpress-venv/bin/python \\
         [--category long_context] [--limit 20] [--prefill-tokens 512 1024] [--out docs/results]
@@ -12,7 +12,13 @@ text is identical. Full KV (ours against ``transformers``) is the control for th
 Known differences, by design: kvpress selects tokens per KV head, our cache keeps or releases a
 token for all heads of a layer (scores summed over heads); SnapKV's scores are otherwise the
 same recipe (window 64, kernel 5, average pooling; window always kept), StreamingLLM's too (4 sinks,
-true positions kept, no re-rotation).
+true positions kept, no re-rotation). PyramidKV: both draw an arithmetic sequence of per-layer
+budgets with ratio ``beta`` = 20 over SnapKV's scores, but kvpress (0.5.5) draws it over the kept
+tokens window included and falls back to a uniform (SnapKV) split when its last layer's share is
+under the window (``B < beta * window`` = 1,280 tokens, unless its clamp of the first layer to
+``n - window`` lifts the last), while ours follows the paper's code (pyramid above the window, no fallback).
+Before the texts, the tool prints and stores each side's per-layer kept tokens for the first
+prompt at every ``B`` (``allocations``), which is deterministic.
 
 kvpress pins its own ``transformers``, so it lives in a separate virtual environment
 (``python -m venv V && V/bin/pip install kvpress torch==2.13.0``); this module re-runs itself
@@ -28,7 +34,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-METHODS = ("full", "snapkv", "streaming_llm")
+METHODS = ("full", "snapkv", "pyramidkv", "streaming_llm")
 
 
 def _items(category: str, limit: int, split: str):
@@ -39,13 +45,15 @@ def _items(category: str, limit: int, split: str):
 def worker(model_dir: str, category: str, limit: int, split: str, budgets: list[int], max_tokens: int) -> dict:
     """The kvpress side (runs in kvpress's environment): texts per method and budget."""
     import torch
-    from kvpress import SnapKVPress, StreamingLLMPress
+    from types import SimpleNamespace
+    from kvpress import PyramidKVPress, SnapKVPress, StreamingLLMPress
     from transformers import AutoModelForCausalLM, AutoTokenizer
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     from importlib.metadata import version
-    out: dict = {"kvpress": version("kvpress"), "texts": {}}
+    out: dict = {"kvpress": version("kvpress"), "texts": {}, "allocations": {}}
+    num_layers = model.config.num_hidden_layers
     for ex in _items(category, limit, split):
         ids = tok.apply_chat_template(ex.messages, tools=ex.tools, add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)["input_ids"]
@@ -53,8 +61,15 @@ def worker(model_dir: str, category: str, limit: int, split: str, budgets: list[
         runs = [("full", None, None)]
         for b in budgets:
             ratio = max(0.0, (n - b - 0.5) / n)   # kvpress keeps int(n * (1 - ratio)) = b tokens
+            # PyramidKVPress rounds its per-layer budgets (round, not int): the exact ratio gives b.
+            pyramid = PyramidKVPress(compression_ratio=max(0.0, (n - b) / n), window_size=64, kernel_size=5, beta=20)
             runs += [("snapkv", b, SnapKVPress(compression_ratio=ratio, window_size=64, kernel_size=5)),
+                     ("pyramidkv", b, pyramid),
                      ("streaming_llm", b, StreamingLLMPress(compression_ratio=ratio, n_sink=4))]
+            if not out["allocations"].get(str(b)) and pyramid.compression_ratio > 0:
+                out["allocations"][str(b)] = {"prompt_tokens": n, "layers": [
+                    pyramid.get_layer_budget(SimpleNamespace(config=model.config, layer_idx=i), n)
+                    for i in range(num_layers)]}
         for method, b, press in runs:
             with torch.no_grad():
                 if press is None or press.compression_ratio == 0.0:
@@ -67,6 +82,15 @@ def worker(model_dir: str, category: str, limit: int, split: str, budgets: list[
             text = tok.decode(gen[0, n:], skip_special_tokens=True)
             out["texts"][f"{method}/{b}/{ex.id}"] = text
     return out
+
+
+def our_allocation(num_layers: int, prompt_tokens: int, b: int) -> list[int]:
+    """Prompt tokens each layer of our PyramidKV keeps after prefill with ``prefill_tokens=b``."""
+    from replicas.policies import PyramidKVPolicy
+    from replicas.sampling_params import SamplingParams
+    from replicas.sequence import Sequence
+    seq = Sequence("allocation", [0] * prompt_tokens, SamplingParams())
+    return PyramidKVPolicy(prefill_tokens=b).layer_quotas(seq, num_layers, 1.0, prompt_tokens)
 
 
 def ours(model_dir: Path, category: str, limit: int, split: str, budgets: list[int], max_tokens: int) -> dict:
@@ -133,10 +157,16 @@ def main(argv: list[str] | None = None) -> int:
                          "accuracy_ours": sum(ok_ours) / len(items), "accuracy_kvpress": sum(ok_theirs) / len(items),
                          "verdict_agreement": sum(a == b_ for a, b_ in zip(ok_ours, ok_theirs)) / len(items),
                          "same_text": sum(same) / len(items)})
+    from transformers import AutoConfig
+    num_layers = AutoConfig.from_pretrained(model_dir).num_hidden_layers
+    allocations = {}
+    for b, theirs_alloc in theirs["allocations"].items():
+        allocations[b] = {"prompt_tokens": theirs_alloc["prompt_tokens"], "kvpress": theirs_alloc["layers"],
+                          "ours": our_allocation(num_layers, theirs_alloc["prompt_tokens"], int(b))}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kvpress_crosscheck.json").write_text(json.dumps(
         {"model": str(model_dir), "category": args.category, "split": args.split, "kvpress": theirs["kvpress"],
-         "rows": rows, "texts": {"ours": mine["texts"], "kvpress": theirs["texts"]}}, indent=1) + "\n")
+         "rows": rows, "pyramidkv_allocations": allocations, "texts": {"ours": mine["texts"], "kvpress": theirs["texts"]}}, indent=1) + "\n")
     lines = [f"Ours vs NVIDIA kvpress {theirs['kvpress']} on `{args.category}` ({args.split} split, first "
              f"{len(items)}; greedy, no grammar, prompt compressed to B tokens, generated tokens kept).", "",
              "| method | B | accuracy ours | accuracy kvpress | same verdict | identical text |",
@@ -145,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {r['method']} | {r['prefill_tokens'] or 'all'} | {100 * r['accuracy_ours']:.1f} | "
                      f"{100 * r['accuracy_kvpress']:.1f} | {100 * r['verdict_agreement']:.0f} % | "
                      f"{100 * r['same_text']:.0f} % |")
+    lines += ["", "PyramidKV: prompt tokens kept per layer (layer 0 first) on the first prompt.", "",
+              "| B | prompt tokens | ours | kvpress |", "|---:|---:|---|---|"]
+    for b, a in allocations.items():
+        lines.append(f"| {b} | {a['prompt_tokens']} | {a['ours']} | {a['kvpress']} |")
     (args.out / "kvpress_crosscheck.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

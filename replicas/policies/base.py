@@ -110,8 +110,10 @@ class ScoredPolicy(KVPolicy):
     def __post_init__(self):
         check_prefill_tokens(self.prefill_tokens)
 
-    def layer_split(self, num_layers: int, units: int, unit_tokens: int) -> list[int]:
-        """Split ``units`` (of ``unit_tokens`` tokens each: pages, or single tokens) over layers."""
+    def layer_split(self, num_layers: int, units: int, unit_tokens: int, generated: int = 0) -> list[int]:
+        """Split ``units`` (of ``unit_tokens`` tokens each: pages, or single tokens) over layers;
+        ``generated``: tokens of the sequence past its prompt, which every layer keeps alike
+        (unused here: the split is uniform)."""
         return split_evenly(units, num_layers)
 
     def layer_quotas(self, seq: Sequence, num_layers: int, budget: float, num_tokens: int) -> list[int]:
@@ -119,7 +121,8 @@ class ScoredPolicy(KVPolicy):
         given more than there is to keep (see :func:`cap_and_refill`)."""
         if self.prefill_tokens is None:
             pages = total_pages(budget, num_layers, num_tokens, self.block_size)
-            split = self.layer_split(num_layers, pages, self.block_size)
+            generated = max(0, num_tokens - len(seq.prompt_token_ids))
+            split = self.layer_split(num_layers, pages, self.block_size, generated)
             split = cap_and_refill(split, math.ceil(num_tokens / self.block_size))
             return [p * self.block_size for p in split]
         num_prompt = min(len(seq.prompt_token_ids), num_tokens)

@@ -30,3 +30,13 @@ def test_interpreter_without_kvpress(capsys):
     assert kvpress_crosscheck.main(["--kvpress-python", sys.executable, "--limit", "1", "--out", "/nonexistent"]) == 1
     err = capsys.readouterr().err
     assert "kvpress worker failed" in err and "No module named 'kvpress'" in err
+
+
+def test_our_pyramidkv_allocation_is_the_prefill_split():
+    """The allocation row the tool prints: B tokens per layer on average, decreasing with depth,
+    no layer above the prompt (the surplus refilled into the others)."""
+    for n, b in ((2880, 512), (2880, 1536), (295, 128)):
+        layers = kvpress_crosscheck.our_allocation(6, n, b)
+        assert sum(layers) == 6 * b and layers == sorted(layers, reverse=True) and layers[0] <= n
+        assert layers[-1] >= 64 and layers[0] > layers[-1]
+    assert kvpress_crosscheck.our_allocation(6, 2880, 1536)[0] == 2880

@@ -92,6 +92,26 @@ def test_pyramidkv_budgets_decrease_with_depth_same_total():
     assert set(HEAVY) <= set(kept(kv, 0)) and kept(kv, 1) == [28, 29, 30, 31]
 
 
+def test_pyramidkv_total_budget_keeps_generated_tokens_in_every_layer():
+    """Issue 19 item 9: under a total budget the pyramid was drawn over the whole quota, so the
+    last layers' share (window + extra / beta) filled with generated tokens and the deep layers lost
+    the prompt. As in the paper, every layer keeps the window and the generated tokens, and only
+    the rest of the budget forms the pyramid (6 layers, pages of 16, budget 0.33)."""
+    p = PyramidKVPolicy()
+    p.block_size = 16
+    for prompt, generated in ((1000, 50), (1000, 0), (2000, 120), (300, 80)):
+        seq = Sequence("s", list(range(prompt)), SamplingParams())
+        seq.output_token_ids = [0] * generated
+        n = prompt + generated
+        quotas = p.layer_quotas(seq, 6, 0.33, n)
+        pages = int(0.33 * 6 * -(-n // 16))
+        assert sum(quotas) == pages * 16 and quotas == sorted(quotas, reverse=True)
+        if pages * 16 >= 6 * (p.window_size + generated + 16):   # room for a pyramid above them
+            assert min(quotas) >= p.window_size + generated - 16 and quotas[0] > quotas[-1] + 16
+        elif pages * 16 <= 6 * (p.window_size + generated):      # none: uniform, as SnapKV
+            assert max(quotas) - min(quotas) <= 16
+
+
 def test_random_is_reproducible_per_request():
     a, _, _ = run_prefill(RandomPolicy(seed=3))
     b, _, _ = run_prefill(RandomPolicy(seed=3))
