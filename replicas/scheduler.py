@@ -5,8 +5,10 @@ A step prefills prompts (up to ``max_num_batched_tokens`` tokens in one forward)
 sequence whose prompt is in the cache (one token each), or, with chunked prefill, both at once.
 Admission counts *compressed* bytes: a prompt is prefilled (at HIGH, or for PASK at its table's
 precisions) and its policy compresses it to at most ``kv_budget`` x full KV when its last chunk is
-in, so the step needs the compressed size of every admitted sequence plus the largest transient
-(full minus compressed) of one. That is how a third of the KV becomes about three times the batch.
+in, so the step needs the compressed size of every admitted sequence plus the transient (full
+minus compressed) of every prompt not yet compressed: the prompts of one prefill forward, and with
+chunked prefill those in progress, are at full size together. That is how a third of the KV
+becomes about three times the batch.
 
 Without chunked prefill (vLLM's default before v1) a step prefills whole prompts, and a waiting
 prompt that fits goes before decoding: a 4K prompt stalls every running stream for its whole
@@ -119,7 +121,7 @@ class Scheduler:
                 continue
             full, compressed = self._sizes(seq)
             held += max(0, compressed - self.kv.sequence_bytes(seq.request_id))
-            transient = max(transient, full - compressed)
+            transient += full - compressed
             n = min(seq.num_tokens - seq.num_computed_tokens, budget_tokens)
             if n > 0 and reserve + self._chunk_bytes(n) <= self.kv.bytes_free:
                 out.prefill.append(PrefillWork(seq, seq.num_computed_tokens, seq.num_computed_tokens + n))
@@ -127,7 +129,7 @@ class Scheduler:
         while self.waiting and len(self.running) < self.cfg.max_num_seqs and budget_tokens > 0:
             seq = self.waiting[0]
             full, compressed = self._sizes(seq)
-            if reserve + held + compressed + max(transient, full - compressed) > self.kv.bytes_free:
+            if reserve + held + compressed + transient + full - compressed > self.kv.bytes_free:
                 break
             if out.prefill and seq.num_tokens > budget_tokens and not chunked:
                 break
@@ -138,7 +140,7 @@ class Scheduler:
             end = min(seq.num_tokens, budget_tokens) if chunked else seq.num_tokens
             out.prefill.append(PrefillWork(seq, 0, end))
             held += compressed
-            transient = max(transient, full - compressed)
+            transient += full - compressed
             budget_tokens -= end
         if out.prefill or chunked:
             return out

@@ -136,3 +136,23 @@ def test_abort_and_preemption_mid_prompt_leave_nothing_behind(chat_prompts):
         last = (eng.step() or [last])[-1]
     assert last.finished and eng.kv.bytes_used == 0
     assert last.token_ids == LLMEngine(EngineConfig(kv_cache_bytes=64 << 20)).generate([chat_prompts[2]], GREEDY)[0].token_ids
+
+
+def test_admission_counts_the_transient_of_every_prompt_in_one_forward(chat_prompts):
+    """Prompts prefilled in one forward are at full size together before they are compressed: a
+    pool of 1.5 full prompts at budget 0.33 must not admit two into one forward (that ran out of
+    pages inside the forward, preempted both, and admitted them again: a livelock)."""
+    prompt = chat_prompts[1]
+    probe = LLMEngine(EngineConfig(kv_cache_bytes=64 << 20))
+    full = probe.kv.full_kv_bytes(len(prompt) + 8)
+    eng = LLMEngine(EngineConfig(kv_policy="snapkv", kv_budget=0.33, kv_cache_bytes=int(1.5 * full) + (1 << 16)))
+    for i in range(3):
+        eng.add_request(f"r{i}", prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    outs, steps = {}, 0
+    while eng.has_unfinished() and steps < 200:
+        steps += 1
+        for out in eng.step():
+            if out.finished:
+                outs[out.request_id] = out
+    assert len(outs) == 3 and steps < 200
+    assert sum(o.metrics.num_preemptions for o in outs.values()) == 0
