@@ -313,18 +313,10 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = resolve_checkpoint(args.model)
     except CheckpointNotFoundError as e:
         ap.error(str(e))
-    if (args.answers or args.limit is not None) and not args.data:
-        ap.error("--answers and --limit apply to --data")
-    if args.gpus_per_worker < 0:
-        ap.error("--gpus-per-worker must be at least 0")
-    data = None
-    if args.data:
-        from calibration.data import CalibrationDataError, load_split
-        try:   # before anything is written: bad data leaves no run folder
-            data = load_split(args.data, args.answers, args.data_format, args.dev_fraction, args.seed, args.limit)
-        except CalibrationDataError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+    from calibration.data import cli_split
+    data = cli_split(ap, args)   # before anything is written: bad data leaves no run folder
+    if data is False:
+        return 2
     cfg = CompilerKVCalibrationConfig(str(model_dir), tuple(sorted(args.budgets)), args.long_prompts,
                                       args.short_prompts, rounds=args.rounds, round_size=args.round_size,
                                       kernel=args.kernel, seed=args.seed,

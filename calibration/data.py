@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -427,3 +428,20 @@ def load_split(path: str | Path, answers: str | Path | None = None, data_format:
               "examples": len(items), "dev": len(dev), "held_out": len(held), "dev_categories": counts,
               "dev_ids": [it.id for it in dev], "held_out_ids": [it.id for it in held]}
     return DataSplit(dev, held, source)
+
+
+def cli_split(ap, args):
+    """The ``--data`` options of ``python -m calibration pask|compilerkv``, checked and loaded
+    before anything is written: the split, None without ``--data``, or False after printing the
+    data error (the command exits 2). Option conflicts go to ``ap.error``."""
+    if (args.answers or args.limit is not None) and not args.data:
+        ap.error("--answers and --limit apply to --data")
+    if args.gpus_per_worker < 0:
+        ap.error("--gpus-per-worker must be at least 0")
+    if not args.data:
+        return None
+    try:
+        return load_split(args.data, args.answers, args.data_format, args.dev_fraction, args.seed, args.limit)
+    except CalibrationDataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return False

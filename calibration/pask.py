@@ -498,18 +498,10 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = resolve_checkpoint(args.model)
     except CheckpointNotFoundError as e:
         ap.error(str(e))
-    if (args.answers or args.limit is not None) and not args.data:
-        ap.error("--answers and --limit apply to --data")
-    if args.gpus_per_worker < 0:
-        ap.error("--gpus-per-worker must be at least 0")
-    data = None
-    if args.data:
-        from calibration.data import CalibrationDataError, load_split
-        try:   # before anything is written: bad data leaves no run folder
-            data = load_split(args.data, args.answers, args.data_format, args.dev_fraction, args.seed, args.limit)
-        except CalibrationDataError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+    from calibration.data import cli_split
+    data = cli_split(ap, args)   # before anything is written: bad data leaves no run folder
+    if data is False:
+        return 2
     cfg = PASKCalibrationConfig(str(model_dir), args.num_groups, args.per_category, cats, args.floor_tolerance,
                                 args.alpha_decode, args.alpha_prompt, args.distortion_examples,
                                 args.max_new_tokens, args.seed,
