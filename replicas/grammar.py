@@ -71,6 +71,25 @@ _NOT_SCHEMAS = ("const", "enum", "default", "examples", "description", "title", 
 _NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
 
 
+def _walk(schema: Any):
+    """(node, where) for every schema node of ``schema``: subschemas under every keyword but the
+    value keywords (``const``, ``enum``, ...), the members of name maps (``properties``, ...)."""
+    stack = [(schema, "$")]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, list):
+            stack.extend((x, f"{where}[{i}]") for i, x in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        yield node, where
+        for k, v in node.items():
+            if k in _NAME_MAPS and isinstance(v, dict):
+                stack.extend((sub, f"{where}.{k}.{name}") for name, sub in v.items())
+            elif k not in _NOT_SCHEMAS:
+                stack.append((v, f"{where}.{k}"))
+
+
 def unenforced_keywords(schema: Any) -> list[str]:
     """JSON-pointer-ish places where ``schema`` uses a keyword xgrammar does not enforce (such a
     schema goes to llguidance, :func:`backend_for`): the keywords above, ``format: date`` /
@@ -81,14 +100,8 @@ def unenforced_keywords(schema: Any) -> list[str]:
     ``properties``, ``enum`` / ``const`` values outside the node's ``type``, and a ``$ref`` that is
     not a local JSON pointer (it would match anything). Seen with xgrammar 0.2.9: output breaking
     the schema under the grammar."""
-    found, stack = [], [(schema, "$")]
-    while stack:
-        node, where = stack.pop()
-        if isinstance(node, list):
-            stack.extend((x, f"{where}[{i}]") for i, x in enumerate(node))
-            continue
-        if not isinstance(node, dict):
-            continue
+    found = []
+    for node, where in _walk(schema):
         found += [f"{k} at {where}" for k in _UNENFORCED if k in node]
         if node.get("uniqueItems") is True:
             found.append(f"uniqueItems at {where}")
@@ -101,11 +114,6 @@ def unenforced_keywords(schema: Any) -> list[str]:
         if isinstance(node.get("pattern"), str) and _LOOKAROUND.search(node["pattern"]):
             found.append(f"pattern with look-around at {where}")
         found += _dropped_constraints(node, where)
-        for k, v in node.items():
-            if k in _NAME_MAPS and isinstance(v, dict):
-                stack.extend((sub, f"{where}.{k}.{name}") for name, sub in v.items())
-            elif k not in _NOT_SCHEMAS:
-                stack.append((v, f"{where}.{k}"))
     return found
 
 
@@ -281,24 +289,6 @@ _LLG_JSON = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible
 _DEFINED_FORMATS = {"date-time", "date", "time", "duration", "email", "idn-email", "hostname", "idn-hostname",
                     "ipv4", "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid", "uri-template",
                     "json-pointer", "relative-json-pointer", "regex", "color", "host-name", "ip-address"}
-
-
-def _walk(schema: Any):
-    """(node, where) for every schema node of ``schema`` (as :func:`unenforced_keywords` walks)."""
-    stack = [(schema, "$")]
-    while stack:
-        node, where = stack.pop()
-        if isinstance(node, list):
-            stack.extend((x, f"{where}[{i}]") for i, x in enumerate(node))
-            continue
-        if not isinstance(node, dict):
-            continue
-        yield node, where
-        for k, v in node.items():
-            if k in _NAME_MAPS and isinstance(v, dict):
-                stack.extend((sub, f"{where}.{k}.{name}") for name, sub in v.items())
-            elif k not in _NOT_SCHEMAS:
-                stack.append((v, f"{where}.{k}"))
 
 
 def _llguidance_schema(schema: Any, strict: bool) -> Any:
