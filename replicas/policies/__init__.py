@@ -1,7 +1,7 @@
 """Baseline KV compression policies, one file each (kvpress style)."""
 
-from replicas.policies.combined import CompilerKVPASKPolicy
 from replicas.policies.compilerkv import CompilerKVPolicy, CompilerKVTables
+from replicas.policies.composed import CompilerKVPASKPolicy, PrefillDecodePolicy
 from replicas.policies.h2o import H2OPolicy
 from replicas.policies.pask import PASKPolicy, PASKTable
 from replicas.policies.pyramidkv import PyramidKVPolicy
@@ -33,5 +33,5 @@ def make_policy(name: str, **kwargs) -> KVPolicy:
     except TypeError as e:
         raise ValueError(f"bad settings for KV policy {name!r}: {e}") from None
 
-__all__ = ["CompilerKVPASKPolicy", "CompilerKVPolicy", "CompilerKVTables", "BASELINES", "POLICIES", "make_policy", "H2OPolicy", "PASKPolicy", "PASKTable", "PyramidKVPolicy", "RandomPolicy", "RecencyPolicy",
+__all__ = ["CompilerKVPASKPolicy", "CompilerKVPolicy", "CompilerKVTables", "BASELINES", "POLICIES", "make_policy", "H2OPolicy", "PrefillDecodePolicy", "PASKPolicy", "PASKTable", "PyramidKVPolicy", "RandomPolicy", "RecencyPolicy",
            "SnapKVPolicy", "StreamingLLMPolicy"]

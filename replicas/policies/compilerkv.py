@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from replicas.kv_cache import KVCache, Precision
 from replicas.policies.base import check_prefill_tokens
 from replicas.policy import KVAction, KVPolicy, PrefillView
+from replicas.sequence import Sequence
 
 
 DEFAULT_KERNEL = 21  # pooling width; chosen on dev long_context prompts (docs/compilerkv.md)
@@ -296,3 +297,31 @@ class CompilerKVPolicy(KVPolicy):
             if drop.numel():
                 actions.append(KVAction(layer, tuple(drop.tolist()), Precision.RELEASED))
         return actions
+
+    def prompt_share(self, seq: Sequence, kv: KVCache) -> float:
+        """Share of the prompt's (position, layer) entries the cache still keeps, in [0, 1]."""
+        prompt_len, num_layers = len(seq.prompt_token_ids), kv.cfg.num_layers
+        kept = sum(int((kv.kept_positions(seq.request_id, layer) < prompt_len).sum()) for layer in range(num_layers))
+        return kept / max(1, prompt_len * num_layers)
+
+    def release_prompt_page(self, seq: Sequence, kv: KVCache) -> bool:
+        """Release one page (``block_size`` entries) of the lowest-scoring prompt tokens outside the
+        window, from the layer that holds the most of them (scores recorded by
+        :meth:`prefill_actions`). Returns False when no layer has such a token left."""
+        scores = seq.policy_state.get("ckv_scores", {})
+        best = None
+        for layer in range(kv.cfg.num_layers):
+            sc = scores.get(layer)
+            if sc is None:
+                continue
+            kept = kv.kept_positions(seq.request_id, layer)
+            cand = kept[kept < sc.shape[0]]
+            droppable = cand[~torch.isinf(sc[cand])]
+            if droppable.numel() and (best is None or droppable.numel() > best[1].numel()):
+                best = (layer, droppable)
+        if best is None:
+            return False
+        layer, droppable = best
+        order = torch.sort(scores[layer][droppable], stable=True).indices
+        kv.set_precision(seq.request_id, layer, droppable[order[: kv.cfg.block_size]], Precision.RELEASED)
+        return True

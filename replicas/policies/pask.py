@@ -337,7 +337,7 @@ class PASKPolicy(KVPolicy):
         its floor as soon as a long prompt overran the budget at prefill, where the decode side
         holds nothing to free: test accuracy fell from 62 % to 39 % at budget 0.5.)"""
         state = seq.policy_state
-        if "pask_k" not in state or budget >= 1.0:
+        if not self.tracks(seq) or budget >= 1.0:
             return
         allowed = budget * kv.full_kv_bytes(seq.num_tokens)
         while kv.sequence_bytes(seq.request_id) > allowed + 1e-6:
@@ -346,6 +346,10 @@ class PASKPolicy(KVPolicy):
             order = ("decode", "prompt") if self.decode_fraction(seq) >= prompt_level else ("prompt", "decode")
             if not any(self.demote_once(seq, kv, side) for side in order):
                 break
+
+    def tracks(self, seq) -> bool:
+        """Whether the sequence's budget state has started (set when its prompt is in the cache)."""
+        return "pask_k" in seq.policy_state
 
     def decode_fraction(self, seq) -> float:
         """Expected KV fraction of the decode side's current state (calibration mix); -1 at its floors."""

@@ -129,6 +129,45 @@ def test_combined_policy_holds_a_total_budget(engine, chat_prompts, tmp_path):
         CompilerKVPolicy(prefill_tokens=64).check(100, 0.5, engine.kv)
 
 
+def test_prefill_decode_composition(engine, chat_prompts, tmp_path):
+    """compilerkv+pask is PrefillDecodePolicy(CompilerKV, PASK decode side): composing the two by
+    hand gives the same spec and the same greedy tokens; a policy without the hooks is refused."""
+    import sys
+    sys.path.insert(0, "tests/replicas")
+    from test_pask_policy import graded_table
+
+    from calibration.artifacts import TableArtifact, model_fingerprint
+    from models import EMBEDDED_MODEL_DIR
+    from replicas.policies import CompilerKVPASKPolicy, PASKPolicy, PrefillDecodePolicy, SnapKVPolicy
+    TableArtifact("pask", graded_table().to_tables(), model_fingerprint(EMBEDDED_MODEL_DIR)).save(tmp_path / "p")
+    named = CompilerKVPASKPolicy(pask_table=str(tmp_path / "p"), window=16)
+    by_hand = PrefillDecodePolicy(CompilerKVPolicy(window=16), PASKPolicy(str(tmp_path / "p"), prompt_side=False))
+    assert named.name == "compilerkv+pask" and by_hand.name == "compilerkv+pask"
+    assert named.spec == by_hand.spec
+    assert named.spec.needs_tags and named.spec.wants_window_ppl and named.spec.observation_window == 16
+    assert named.spec.table_kinds == ("pask",) and not named.spec.prompt_only
+    assert named.spec.precisions == (Precision.HIGH, Precision.INT8, Precision.INT4)
+    tokens = []
+    saved = engine.policy
+    try:
+        for i, policy in enumerate((named, by_hand)):
+            policy.bind_model(EMBEDDED_MODEL_DIR)
+            engine.policy = policy
+            engine.add_request(f"comp{i}", chat_prompts[2], SamplingParams(max_tokens=24), kv_budget=0.33)
+            seq = engine._seqs[f"comp{i}"]
+            while not seq.is_finished:
+                engine.step()
+            tokens.append(list(seq.output_token_ids))
+            assert seq.metrics.kv_ratio_max <= 0.33
+    finally:
+        engine.policy = saved
+    assert tokens[0] == tokens[1] and len(tokens[0]) > 0
+    with pytest.raises(TypeError, match="not a prompt compressor"):
+        PrefillDecodePolicy(PASKPolicy(prompt_side=False), PASKPolicy(prompt_side=False))
+    with pytest.raises(TypeError, match="not a decode compressor"):
+        PrefillDecodePolicy(CompilerKVPolicy(), SnapKVPolicy())
+
+
 def test_budget_as_a_fraction_of_the_prompt():
     p = CompilerKVPolicy(prefill_fraction=0.25)
     assert p.keep_tokens(400) == 100 and p.keep_tokens(3) == 1
