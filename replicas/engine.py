@@ -133,10 +133,11 @@ class LLMEngine:
         self._token_text = TokenText(self.tokenizer)
         self.eos_token_ids = set(mc.eos_token_ids) | self._generation_eos(path)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   config.enable_chunked_prefill), self.kv)
         self.policy = make_policy(config.kv_policy, **config.kv_policy_args)
         self.policy.bind_model(path)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   config.enable_chunked_prefill,
+                                                   self.policy.spec.compresses_chunks), self.kv)
         if config.kv_budget < 1.0:  # a default budget no prompt can meet is a configuration error
             try:
                 self.policy.check(self.max_model_len, config.kv_budget, self.kv)
@@ -380,6 +381,10 @@ class LLMEngine:
                 prev = state["hidden"]
                 state["hidden"] = res.hidden if prev is None else torch.cat([prev, res.hidden])[-keep_hidden:]
             if not item.is_last:
+                if spec.compresses_chunks:   # the prompt so far, to what its end will keep
+                    view = PrefillView(seq, kv, item.end, {}, seq.kv_budget)
+                    for a in self.policy.on_prefill_chunk(view):
+                        kv.set_precision(seq.request_id, a.layer, a.positions, a.precision)
                 continue
             n = seq.num_tokens
             ppl = None

@@ -40,6 +40,10 @@ class PolicySpec:
         prompt_only: compresses the prompt to a token count; held at budget 1.0.
         table_kinds: calibrated tables the cluster registry may swap in (``LLMEngine.load_table``).
         precisions: KV pools the policy stores into (HIGH always).
+        compresses_chunks: the policy compresses a prompt after each of its chunks
+            (:meth:`KVPolicy.on_prefill_chunk`) to the entries it would keep at the prompt's end
+            (scores that depend on positions only), so a chunked prefill holds at most the
+            budget plus one chunk; admission then counts one chunk, not the whole prompt.
     """
     needs_tags: bool = False
     observation_window: int = 0
@@ -48,6 +52,7 @@ class PolicySpec:
     prompt_only: bool = False
     table_kinds: tuple[str, ...] = ()
     precisions: tuple[Precision, ...] = (Precision.HIGH,)
+    compresses_chunks: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,7 @@ class KVPolicy:
     prompt_only = False
     table_kinds: tuple[str, ...] = ()
     precisions: tuple[Precision, ...] = (Precision.HIGH,)
+    compresses_chunks = False
     floor_cost = 0.0   # expected KV fraction at the policy's floors (0: no floors)
 
     @property
@@ -123,7 +129,7 @@ class KVPolicy:
         """What the policy needs (read by the engine once per request or step)."""
         return PolicySpec(self.needs_tags, self.observation_window, self.wants_window_ppl,
                           self.record_decode_queries, bool(self.prompt_only), tuple(self.table_kinds),
-                          tuple(self.precisions))
+                          tuple(self.precisions), bool(self.compresses_chunks))
 
     def bind_model(self, model_dir) -> None:
         """Load what the policy needs for the served model (tables); default: nothing."""
@@ -146,6 +152,12 @@ class KVPolicy:
         """
 
     def on_prefill(self, view: PrefillView) -> list[KVAction]:
+        return []
+
+    def on_prefill_chunk(self, view: PrefillView) -> list[KVAction]:
+        """After a prompt chunk that is not the prompt's last (``view.num_prefilled`` tokens in the
+        cache), for a policy whose spec sets ``compresses_chunks``: releases that its
+        :meth:`on_prefill` at the prompt's end would make anyway."""
         return []
 
     def on_decode(self, view: DecodeView) -> list[KVAction]:

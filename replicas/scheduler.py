@@ -7,8 +7,10 @@ Admission counts *compressed* bytes: a prompt is prefilled (at HIGH, or for PASK
 precisions) and its policy compresses it to at most ``kv_budget`` x full KV when its last chunk is
 in, so the step needs the compressed size of every admitted sequence plus the transient (full
 minus compressed) of every prompt not yet compressed: the prompts of one prefill forward, and with
-chunked prefill those in progress, are at full size together. That is how a third of the KV
-becomes about three times the batch.
+chunked prefill those in progress, are at full size together. A policy that compresses the
+prompt after each chunk (StreamingLLM, recency: ``SchedulerConfig.compresses_chunks``) holds at
+most its compressed size plus one chunk, so with chunked prefill its transient is one chunk. That
+is how a third of the KV becomes about three times the batch.
 
 Without chunked prefill (vLLM's default before v1) a step prefills whole prompts, and a waiting
 prompt that fits goes before decoding: a 4K prompt stalls every running stream for its whole
@@ -40,10 +42,14 @@ class SchedulerConfig:
         max_num_batched_tokens: prompt tokens prefilled in one step (without chunked prefill at
             least one whole prompt is always admitted when memory allows, whatever its length).
         enable_chunked_prefill: split prompts longer than the step's token budget over steps.
+        compresses_chunks: the KV policy compresses a prompt after each chunk (its spec's
+            ``compresses_chunks``): with chunked prefill a prompt in progress then holds at most
+            its compressed size plus one chunk, and admission counts that, not the whole prompt.
     """
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = False
+    compresses_chunks: bool = False
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -115,21 +121,25 @@ class Scheduler:
         decoding = out.decode if chunked else [s for s in self.running if s.prefilled]
         reserve = self.kv.next_step_bytes([s.request_id for s in decoding])
         budget_tokens = self.cfg.max_num_batched_tokens - len(out.decode)
+        per_chunk = chunked and self.cfg.compresses_chunks   # a prompt holds <= compressed + one chunk
         held, transient = 0, 0
         for seq in self.running:    # prompts in progress: their next chunk, and what they still need
             if seq.prefilled:
                 continue
             full, compressed = self._sizes(seq)
             held += max(0, compressed - self.kv.sequence_bytes(seq.request_id))
-            transient += full - compressed
+            transient += 0 if per_chunk else full - compressed
             n = min(seq.num_tokens - seq.num_computed_tokens, budget_tokens)
             if n > 0 and reserve + self._chunk_bytes(n) <= self.kv.bytes_free:
                 out.prefill.append(PrefillWork(seq, seq.num_computed_tokens, seq.num_computed_tokens + n))
                 budget_tokens -= n
+                transient += self._chunk_bytes(n) if per_chunk else 0
         while self.waiting and len(self.running) < self.cfg.max_num_seqs and budget_tokens > 0:
             seq = self.waiting[0]
             full, compressed = self._sizes(seq)
-            if reserve + held + compressed + transient + full - compressed > self.kv.bytes_free:
+            first = min(seq.num_tokens, budget_tokens) if chunked else seq.num_tokens
+            extra = self._chunk_bytes(first) if per_chunk else full - compressed
+            if reserve + held + compressed + transient + extra > self.kv.bytes_free:
                 break
             if out.prefill and seq.num_tokens > budget_tokens and not chunked:
                 break
@@ -137,11 +147,10 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.kv.add_sequence(seq.request_id)
             self.running.append(seq)
-            end = min(seq.num_tokens, budget_tokens) if chunked else seq.num_tokens
-            out.prefill.append(PrefillWork(seq, 0, end))
+            out.prefill.append(PrefillWork(seq, 0, first))
             held += compressed
-            transient += full - compressed
-            budget_tokens -= end
+            transient += extra
+            budget_tokens -= first
         if out.prefill or chunked:
             return out
         return self._decode(out)

@@ -181,6 +181,20 @@ class ScoredPolicy(KVPolicy):
             table[row, layer, :n] = self.prefill_scores(view, layer, positions).float().cpu()
         return self.fit(view.seq, view.kv, view.budget, n)
 
+    def on_prefill_chunk(self, view: PrefillView) -> list[KVAction]:
+        """For a policy whose prompt scores depend on positions only (``compresses_chunks``): score
+        the ``view.num_prefilled`` tokens in the cache and keep each layer's quota *for the whole
+        prompt*. The top-q of a union is the top-q of (top-q of the first part, the rest), so the
+        entries kept after the last chunk are those a whole-prompt :meth:`on_prefill` keeps; later
+        chunks attend to what is kept (as the paper's streaming attention does), not to all
+        earlier prompt tokens."""
+        n = view.num_prefilled
+        table, row = self.scores(view.kv), view.kv.row(view.seq.request_id)
+        positions = torch.arange(n)
+        for layer in range(view.kv.cfg.num_layers):
+            table[row, layer, :n] = self.prefill_scores(view, layer, positions).float().cpu()
+        return self.fit(view.seq, view.kv, view.budget, view.seq.num_tokens)
+
     def decode_scores(self, seqs: list[Sequence], positions: torch.Tensor, num_layers: int) -> torch.Tensor:
         """``[B, L]`` score of each sequence's new token (at ``positions [B]``) in every layer;
         default: recency (its position), below protected tokens."""

@@ -10,6 +10,7 @@ from replicas.policies.base import ScoredPolicy
 @dataclass
 class RecencyPolicy(ScoredPolicy):
     name = "recency"
+    compresses_chunks = True   # scores depend on positions only
 
     def prefill_scores(self, view, layer, positions):
         return positions.float()

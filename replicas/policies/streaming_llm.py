@@ -2,7 +2,10 @@
 
 Source: Xiao et al., "Efficient Streaming Language Models with Attention Sinks", ICLR 2024
 (arXiv:2309.17453), section 3.2: keep the first ``num_sinks`` tokens (4 in the paper) and the most
-recent ones; here the recent window fills the rest of each layer's budget.
+recent ones; here the recent window fills the rest of each layer's budget. In a chunked prefill
+the prompt is brought to that set after every chunk (``compresses_chunks``), so a later chunk
+attends to the sinks and the window, as in the paper's streaming setting, and the prompt never
+holds more than its budget plus one chunk.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ class StreamingLLMPolicy(ScoredPolicy):
     """
     num_sinks: int = 4
     name = "streaming_llm"
+    compresses_chunks = True   # sinks and recency: scores depend on positions only
 
     def __post_init__(self):
         super().__post_init__()

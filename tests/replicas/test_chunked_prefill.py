@@ -1,6 +1,8 @@
 """Chunked and batched prefill: same tokens and decisions as whole-prompt prefill, running streams
 not stalled by a long prompt, several prompts in one forward, abort and preemption mid-prompt."""
 
+import math
+
 import pytest
 
 from replicas.config import EngineConfig
@@ -156,3 +158,40 @@ def test_admission_counts_the_transient_of_every_prompt_in_one_forward(chat_prom
                 outs[out.request_id] = out
     assert len(outs) == 3 and steps < 200
     assert sum(o.metrics.num_preemptions for o in outs.values()) == 0
+
+
+def test_streaming_llm_compresses_every_chunk_and_admission_counts_one_chunk(chat_prompts):
+    """StreamingLLM's scores depend on positions only, so the prompt is brought to its end-of-prompt
+    set after every chunk: it never holds more than its budget plus one chunk between steps, and
+    admission counts one chunk per prompt instead of the whole prompt: in a pool that holds four
+    compressed prompts and a chunk, four run at once, where SnapKV (compressed only when the
+    prompt is whole) runs three."""
+    prompts = [p for p in chat_prompts if len(p) > 700][:4]
+    assert len(prompts) == 4
+    probe = _chunked(kv_policy="streaming_llm", kv_budget=0.33)
+    assert probe.policy.spec.compresses_chunks and probe.scheduler.cfg.compresses_chunks
+    kv = probe.kv
+    slack = kv.full_kv_bytes(kv.cfg.block_size)   # one page per layer
+    # Four compressed prompts, one chunk and some room to grow; not three compressed and one whole.
+    compressed = [math.ceil(0.33 * kv.full_kv_bytes(len(p))) for p in prompts]
+    pool = sum(compressed) + kv.full_kv_bytes(192 + 16) + kv.full_kv_bytes(160)
+    assert pool < sum(compressed) - max(compressed) + min(kv.full_kv_bytes(len(p)) for p in prompts)
+    running = {}
+    for policy in ("streaming_llm", "snapkv"):
+        eng = LLMEngine(EngineConfig(kv_cache_bytes=pool, max_num_seqs=8, enable_chunked_prefill=True,
+                                     max_num_batched_tokens=192, kv_policy=policy, kv_budget=0.33))
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", p, SamplingParams(max_tokens=32, ignore_eos=True))
+        most, worst = 0, 0.0
+        while eng.has_unfinished():
+            eng.step()
+            most = max(most, len(eng.scheduler.running))
+            for seq in eng.scheduler.running:
+                if policy == "streaming_llm":   # between steps: within the budget of the whole prompt
+                    allowed = seq.kv_budget * eng.kv.full_kv_bytes(seq.num_tokens) + slack
+                    worst = max(worst, eng.kv.sequence_bytes(seq.request_id) / allowed)
+        running[policy] = most
+        assert eng.kv.bytes_used == 0
+        if policy == "streaming_llm":
+            assert worst <= 1.0
+    assert running == {"streaming_llm": 4, "snapkv": 3}, running
