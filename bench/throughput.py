@@ -111,7 +111,8 @@ def pool_bytes(model: str, num_seqs: int, num_tokens: int, block_size: int = 16)
 
 
 def run_ours(model: str, prompt_len: int, batch: int, gen: int, repeats: int, policy: str = "full",
-             kv_cache_gib: float = 4.0, prompts: str = "random", requests: int = 0, pool_seqs: int = 0) -> dict:
+             kv_cache_gib: float = 4.0, prompts: str = "random", requests: int = 0, pool_seqs: int = 0,
+             chunk_tokens: int = 0) -> dict:
     from replicas.config import EngineConfig
     from replicas.engine import LLMEngine
     from replicas.sampling_params import SamplingParams
@@ -120,7 +121,9 @@ def run_ours(model: str, prompt_len: int, batch: int, gen: int, repeats: int, po
     peak, stop = _peak_rss_sampler()
     kv_bytes = pool_bytes(model, pool_seqs, prompt_len + gen) if pool_seqs else int(kv_cache_gib * 2**30)
     engine = LLMEngine(EngineConfig(model=model, max_num_seqs=batch, max_model_len=prompt_len + gen,
-                                    kv_cache_bytes=kv_bytes, kv_policy=name, kv_budget=float(budget or 1.0)))
+                                    kv_cache_bytes=kv_bytes, kv_policy=name, kv_budget=float(budget or 1.0),
+                                    enable_chunked_prefill=chunk_tokens > 0,
+                                    max_num_batched_tokens=chunk_tokens or 8192))
     vocab, runs, kv_peak, max_batch = engine.model.config.vocab_size, iter(range(1000)), [0], [0]
     lens = []
 
@@ -218,7 +221,8 @@ def _child(argv: list[str]) -> int:
 def _spawn(python: str, engine: str, model: str, prompt_len: int, args, policy: str = "full") -> dict | None:
     cmd = [python, "-m", "bench.throughput", "--child", engine, model, str(prompt_len), str(args.batch),
            str(args.gen), str(args.repeats), policy, str(args.kv_cache_gib),
-           json.dumps({"prompts": args.prompts, "requests": args.requests, "pool_seqs": args.kv_pool_seqs})]
+           json.dumps({"prompts": args.prompts, "requests": args.requests, "pool_seqs": args.kv_pool_seqs,
+                       "chunk_tokens": args.chunked_prefill})]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
@@ -257,9 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-pool-seqs", type=int, default=0,
                     help="memory-bound mode: our KV pool holds this many full-KV sequences of prompt + gen "
                          "tokens (instead of --kv-cache-gib)")
+    ap.add_argument("--chunked-prefill", type=int, default=0, metavar="TOKENS",
+                    help="ours: chunked prefill with this many tokens per step (decode rows + prompt chunks); "
+                         "0: whole prompts, up to 8,192 tokens per step")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    if args.gen < 2 or args.batch < 1 or args.requests < 0 or args.kv_pool_seqs < 0:
+    if args.gen < 2 or args.batch < 1 or args.requests < 0 or args.kv_pool_seqs < 0 or args.chunked_prefill < 0:
         ap.error("--gen must be >= 2, --batch >= 1, --requests and --kv-pool-seqs >= 0")
     from models import resolve_checkpoint
     tmp = tempfile.TemporaryDirectory()
@@ -284,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def mib(x):
         return f"{x / 2**20:.0f}" if x is not None else "-"
-    print(f"\nbatch {args.batch}, {args.gen} generated tokens, medians of {args.repeats} runs, model {model}")
+    chunking = f", chunked prefill {args.chunked_prefill} tokens/step" if args.chunked_prefill else ""
+    print(f"\nbatch {args.batch}, {args.gen} generated tokens, medians of {args.repeats} runs{chunking}, model {model}")
     print(f"{'prompt':>6} {'engine':<24} {'tok/s':>8} {'TTFT s':>8} {'ITL ms':>8} {'KV peak MiB':>12} "
           f"{'RSS peak MiB':>13} {'GPU peak MiB':>13} {'batch':>6}")
     for r in rows:
