@@ -40,10 +40,11 @@ class PolicySpec:
         prompt_only: compresses the prompt to a token count; held at budget 1.0.
         table_kinds: calibrated tables the cluster registry may swap in (``LLMEngine.load_table``).
         precisions: KV pools the policy stores into (HIGH always).
-        compresses_chunks: the policy compresses a prompt after each of its chunks
-            (:meth:`KVPolicy.on_prefill_chunk`) to the entries it would keep at the prompt's end
-            (scores that depend on positions only), so a chunked prefill holds at most the
-            budget plus one chunk; admission then counts one chunk, not the whole prompt.
+        compresses_chunks: a chunked prefill holds at most the budget plus one chunk, because the
+            policy stores each chunk at its targets (PASK) or compresses the prompt after each
+            chunk (:meth:`KVPolicy.on_prefill_chunk`) to the entries it would keep at the
+            prompt's end (scores that depend on positions only); admission then counts one chunk,
+            not the whole prompt.
     """
     needs_tags: bool = False
     observation_window: int = 0

@@ -159,6 +159,13 @@ class PASKPolicy(KVPolicy):
     needs_tags = True
     precisions = (Precision.HIGH, Precision.INT8, Precision.INT4)
     _costs: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def compresses_chunks(self) -> bool:
+        """With its prompt side, each chunk is stored at its table targets (:meth:`prefill_targets`),
+        so a chunked prefill holds at most the budget plus one chunk."""
+        return self.prompt_side
+
     _layer_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
