@@ -734,12 +734,14 @@ class GrammarCompiler:
     # ------------------------------------------------------------------ the compiler process
     def _start(self) -> None:
         import multiprocessing as mp
+
+        from replicas.spawn import start_without_main
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         llg_args = (self._tokenizer, self.vocab_size, list(self.info.stop_token_ids))
         self._proc = ctx.Process(target=_compile_worker, args=(self.info.serialize_json(), llg_args, child),
                                  daemon=True, name="grammar-compiler")
-        self._proc.start()
+        start_without_main(self._proc)
         child.close()
 
     def _stop(self) -> None:

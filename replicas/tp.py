@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from replicas.models import CausalLM
+from replicas.spawn import start_without_main
 
 
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -216,5 +217,5 @@ def start_workers(world_size: int, port: int, config) -> tuple[list, str]:
     procs = [ctx.Process(target=worker_main, args=(r, world_size, port, config), daemon=True)
              for r in range(1, world_size)]
     for p in procs:
-        p.start()
+        start_without_main(p)
     return procs, "127.0.0.1"
