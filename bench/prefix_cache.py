@@ -91,18 +91,19 @@ def run(policy: str, cache: bool, prompts: list[list[int]], concurrency: int, ge
 
 
 def bytes_vs_n(policy: str, cache: bool, prompts: list[list[int]], ns: list[int], kv_bytes: int) -> list[dict]:
-    """KV bytes held once ``n`` requests with the same tools are all prefilled (a warm cache:
+    """KV bytes held once ``n`` requests with the same tools are all prefilled, for each ``n`` of
+    ``ns`` (one engine: requests are added until there are ``n``, none finishes; a warm cache:
     one request with the same tools ran before)."""
     from replicas.sampling_params import SamplingParams
+    try:
+        eng = _engine(policy, cache, max(ns) + 1, kv_bytes)
+    except ValueError:
+        return []
+    eng.generate([prompts[-1]], SamplingParams(max_tokens=1))
     rows = []
-    for n in ns:
-        try:
-            eng = _engine(policy, cache, max(ns) + 1, kv_bytes)
-        except ValueError:
-            return []
-        eng.generate([prompts[-1]], SamplingParams(max_tokens=1))
-        for i in range(n):
-            eng.add_request(f"n{i}", prompts[i], SamplingParams(max_tokens=2, ignore_eos=True))
+    for n in sorted(ns):
+        for i in range(len(eng._seqs), n):
+            eng.add_request(f"n{i}", prompts[i], SamplingParams(max_tokens=64, ignore_eos=True))
         while any(not s.prefilled for s in eng._seqs.values()):
             eng.step()
         logical = sum(eng.kv.sequence_bytes(f"n{i}") for i in range(n))
