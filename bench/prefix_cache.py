@@ -31,20 +31,26 @@ from pathlib import Path
 import torch
 
 
-def shared_prompts(tokenizer, num: int, context_tokens: int, seed: int = 0) -> tuple[list[list[int]], int]:
-    """``num`` chat-templated prompts: one example's tools and notes, then each a different
-    request; returns them and the length of their common prefix in tokens."""
+def shared_requests(num: int, context_tokens: int, seed: int = 0) -> tuple[list[list[dict]], list[dict]]:
+    """``num`` chat conversations (one user turn each: one example's notes, then a different
+    request) and the example's tools."""
     from models import synth
     gen = synth.Generator("test", seed=seed)
     base = gen.example("long_context", 0, context_tokens=context_tokens, depth=1.0)
     notes = base.messages[-1]["content"].split("\n\nRequest:")[0]
-    prompts = []
+    conversations = []
     for i in range(1, num + 1):
         ask = gen.example("long_context", i, context_tokens=600, depth=1.0).messages[-1]["content"]
-        question = "\n\nRequest:" + ask.split("\n\nRequest:")[1]
-        prompts.append(list(tokenizer.apply_chat_template([{"role": "user", "content": notes + question}],
-                                                          tools=base.tools, add_generation_prompt=True,
-                                                          return_dict=True)["input_ids"]))
+        conversations.append([{"role": "user", "content": notes + "\n\nRequest:" + ask.split("\n\nRequest:")[1]}])
+    return conversations, base.tools
+
+
+def shared_prompts(tokenizer, num: int, context_tokens: int, seed: int = 0) -> tuple[list[list[int]], int]:
+    """The chat-templated token ids of :func:`shared_requests` and the length of their common
+    prefix in tokens."""
+    conversations, tools = shared_requests(num, context_tokens, seed)
+    prompts = [list(tokenizer.apply_chat_template(c, tools=tools, add_generation_prompt=True,
+                                                  return_dict=True)["input_ids"]) for c in conversations]
     common = 0
     while all(len(p) > common and p[common] == prompts[0][common] for p in prompts):
         common += 1
@@ -112,6 +118,57 @@ def bytes_vs_n(policy: str, cache: bool, prompts: list[list[int]], ns: list[int]
     return rows
 
 
+def run_http(policy: str, cache: bool, conversations: list, tools: list, concurrency: int, gen: int,
+             kv_bytes: int) -> dict:
+    """The same closed loop through the OpenAI app (``cluster.openai_api``, in process over
+    ASGI, no Ray): ``concurrency`` clients post ``/v1/chat/completions`` (the tools,
+    ``tool_choice: "none"`` so every request generates ``gen`` tokens with ``ignore_eos``);
+    end-to-end latency per request."""
+    import asyncio
+
+    import httpx
+
+    from cluster.openai_api import OpenAIServer, build_app
+    from replicas.async_engine import AsyncLLMEngine
+    row = {"policy": policy, "prefix_cache": cache, "path": "http"}
+    try:
+        eng = _engine(policy, cache, concurrency, kv_bytes)
+    except ValueError as e:
+        return {**row, "refused": str(e)}
+    server = OpenAIServer(AsyncLLMEngine(eng), "bench", max_pending=len(conversations) + 1)
+    app, lat, tokens = build_app(server), [], [0]
+
+    async def client(queue, c):
+        while not queue.empty():
+            messages = queue.get_nowait()
+            t = time.perf_counter()
+            r = await c.post("/v1/chat/completions", json={
+                "model": "bench", "messages": messages, "tools": tools, "tool_choice": "none",
+                "max_tokens": gen, "ignore_eos": True, "temperature": 0})
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
+            lat.append(time.perf_counter() - t)
+            tokens[0] += r.json()["usage"]["completion_tokens"]
+
+    async def go():
+        queue = asyncio.Queue()
+        for m in conversations:
+            queue.put_nowait(m)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://bench",
+                                     timeout=3600) as c:
+            await asyncio.gather(*(client(queue, c) for _ in range(concurrency)))
+    t0 = time.perf_counter()
+    try:
+        asyncio.run(go())
+    finally:
+        server.engine.shutdown()
+    wall, lat = time.perf_counter() - t0, sorted(lat)
+    s = eng.stats()
+    return {**row, "wall_s": wall, "latency_p50_s": statistics.median(lat),
+            "latency_p99_s": lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))], "tokens_per_s": tokens[0] / wall,
+            "prefix_cache_queries": s["prefix_cache_queries"], "prefix_cache_hits": s["prefix_cache_hits"]}
+
+
 def pask_prefix_agreement(policy: str, prompts: list[list[int]], common: int, kv_bytes: int) -> dict:
     """Does PASK's prompt side decide the shared prefix the same way whatever follows it? For
     every prompt: its prompt labels over the prefix, the table state PASK picks, and the stored
@@ -141,8 +198,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", nargs="+", default=["full", "pask@0.33"])
     ap.add_argument("--ns", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--kv-cache-gib", type=float, default=2.0)
+    ap.add_argument("--http", action="store_true", help="only the rows through the OpenAI app (in process)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    if args.http:
+        conversations, tools = shared_requests(args.requests, args.context)
+        rows = [run_http(p, c, conversations, tools, args.concurrency, args.gen, int(args.kv_cache_gib * 2**30))
+                for p in args.policies for c in (False, True)]
+        print(f"{args.requests} chat requests through the OpenAI app (in process, ASGI), concurrency "
+              f"{args.concurrency}, {args.gen} tokens each\n")
+        print("| policy | prefix cache | latency p50 (s) | latency p99 (s) | tokens/s | hit rate |")
+        print("|---|---|---:|---:|---:|---:|")
+        for r in rows:
+            if "refused" in r:
+                print(f"| {r['policy']} | {'on' if r['prefix_cache'] else 'off'} | refused |||")
+                continue
+            rate = r["prefix_cache_hits"] / r["prefix_cache_queries"] if r["prefix_cache_queries"] else 0.0
+            print(f"| {r['policy']} | {'on' if r['prefix_cache'] else 'off'} | {r['latency_p50_s']:.2f} | "
+                  f"{r['latency_p99_s']:.2f} | {r['tokens_per_s']:.1f} | {rate:.1%} |")
+        if args.json:
+            args.json.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "json"},
+                                             "runs": rows}, indent=1))
+        return 0
     from transformers import AutoTokenizer
 
     from models import resolve_checkpoint
