@@ -256,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         r1 = next((r for r in rows if r["policy"] == policy and r["prefix_cache"] and "refused" not in r), None)
         if r1:
             print(f"\n{policy}: TTFT p50 {r0['ttft_p50_s'] / r1['ttft_p50_s']:.1f}x lower with the cache, "
-                  f"p99 {r0['ttft_p99_s'] / r1['ttft_p99_s']:.1f}x, throughput {r1['tokens_per_s'] / r0['tokens_per_s']:.2f}x, "
+                  f"p99 {r0['ttft_p99_s'] / r1['ttft_p99_s']:.1f}x, "
+                  f"throughput {r1['tokens_per_s'] / r0['tokens_per_s']:.2f}x, "
                   f"KV peak {r1['kv_bytes_peak'] / r0['kv_bytes_peak']:.2f}x")
     if nrows:
         print("\nKV bytes held by N requests with the same tools, all prefilled (MiB; sum of what each reads "
@@ -268,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                 rs = [r for r in nrows if r["policy"] == policy and r["prefix_cache"] == cache]
                 if rs:
                     print(f"| {policy} | {'on' if cache else 'off'} | " + " | ".join(
-                        f"{r['kv_bytes_used'] / 2**20:.1f} ({r['sum_of_sequence_bytes'] / 2**20:.1f})" for r in rs) + " |")
+                        f"{r['kv_bytes_used'] / 2**20:.1f} ({r['sum_of_sequence_bytes'] / 2**20:.1f})"
+                        for r in rs) + " |")
     for a in agree:
         print(f"\n{a['policy']}, prompt side over the {a['prefix_tokens']} shared tokens, same as the first "
               f"prompt's in {a['prompts']} prompts: labels {a['same']['labels']}, table state "
