@@ -34,6 +34,8 @@ class AppArgs(BaseModel):
     enable_chunked_prefill: bool = Field(False, description="Prefill prompts longer than max_num_batched_tokens "
                                          "over several steps, alternating with decode steps (running streams "
                                          "wait one chunk, not a whole prompt).")
+    enable_prefix_caching: bool = Field(False, description="Share the KV pages of identical prompt prefixes "
+                                        "(system prompt, tools) between requests; kv_policy 'full' only.")
     max_pending: int = Field(256, ge=1, description="In-flight requests per replica before 429.")
     replica_retries: int = Field(1, ge=0, le=5, description="Times a request that received nothing yet is "
                                  "sent to another replica after its replica died.")
@@ -82,7 +84,7 @@ class LLMServer:
             model=a.model, kv_policy=a.kv_policy, kv_budget=a.kv_budget, kv_cache_bytes=a.kv_cache_bytes,
             max_num_seqs=a.max_num_seqs, tensor_parallel_size=a.tensor_parallel_size,
             kv_policy_args=a.kv_policy_args, max_num_batched_tokens=a.max_num_batched_tokens,
-            enable_chunked_prefill=a.enable_chunked_prefill))
+            enable_chunked_prefill=a.enable_chunked_prefill, enable_prefix_caching=a.enable_prefix_caching))
         self.engine = engine
         from cluster.protocol import Limits
         self.server = OpenAIServer(engine, a.served_model_name or Path(a.model).name, a.max_pending,
@@ -271,6 +273,9 @@ def build_app(args: dict):
     from replicas.policies import POLICIES
     if a.kv_policy not in POLICIES:
         raise ValueError(f"unknown kv_policy {a.kv_policy!r}; choose from {', '.join(POLICIES)}")
+    if a.enable_prefix_caching:   # refused here, before any replica starts
+        from replicas.prefix_cache import check_policy
+        check_policy(a.kv_policy, a.tensor_parallel_size)
     a.model = str(resolve_model(a.model))
     options = replica_options(a)
     if a.autoscaling_config is not None:

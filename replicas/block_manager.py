@@ -20,8 +20,18 @@ name                  shape, dtype                  meaning
 ``location``          [R, L, max_model_len] int32   ``slot << 2 | precision`` of each position,
                                                     -1 where the position is not kept
 ``next_position``     [R, L] int64                  positions only grow: released ones never return
-``row_bytes``         [R] int64                     bytes held per row (pages + block-table entries)
+``row_bytes``         [R] int64                     bytes held per row (pages + block-table entries),
+                                                    shared prefix pages included
+``shared_pages``      [R] int64                     leading HIGH pages of every layer of the row that
+                                                    belong to the prefix cache (read-only)
 ====================  ============================  ===========================================
+
+With a prefix cache (``replicas.prefix_cache``) the first ``shared_pages[row]`` HIGH pages of every
+layer of a row are owned by the cache and may be referenced by several rows: ``row_bytes`` counts
+them for each row (what the row reads), ``bytes_used`` once (what the pools hold), and they are
+never written, swap-removed or returned to the free list by a row (``free`` hands them back to the
+cache). ``bytes_used`` also holds cached pages no row references until the cache evicts them
+(``evictor``: called when pages or budget run short).
 
 Page 0 of every pool is never handed out: it is the *trash* page that batched stores of entries
 that belong to another pool (or to none) write into, so a store has a fixed shape.
@@ -62,7 +72,7 @@ class BlockManager:
         self.num_layers, self.block_size, self.max_bytes = num_layers, block_size, max_bytes
         self.max_model_len = max_model_len
         self.max_pages = math.ceil(max_model_len / block_size)
-        self.page_costs = page_costs
+        self.page_costs, self.capacities = page_costs, capacities
         r, l, mp = max_num_seqs, num_layers, self.max_pages
         self.block_table = {p: torch.zeros(r, l, mp, dtype=torch.int32) for p in BITS}
         self.num_slots = {p: torch.zeros(r, l, dtype=torch.int64) for p in BITS}
@@ -71,7 +81,10 @@ class BlockManager:
         self.location = torch.full((r, l, max_model_len), -1, dtype=torch.int32)
         self.next_position = torch.zeros(r, l, dtype=torch.int64)
         self.row_bytes = torch.zeros(r, dtype=torch.int64)
+        self.shared_pages = torch.zeros(r, dtype=torch.int64)
         self.bytes_used = 0
+        # Set by a prefix cache: evictor(pages) frees up to ``pages`` unreferenced cached HIGH pages.
+        self.evictor = None
         # Free pages, lowest id on top (pop() from the end); page 0 is the trash page.
         self.free_pages = {p: list(range(capacities[p] - 1, TRASH_PAGE, -1)) for p in BITS}
         self.rows: dict[object, int] = {}
@@ -100,16 +113,51 @@ class BlockManager:
         row = self.rows.pop(seq_id, None)
         if row is None:
             return
+        shared = int(self.shared_pages[row])
         for p in BITS:
             counts = self.num_pages[p][row]
             if int(counts.sum()):
                 mask = torch.arange(self.max_pages)[None, :] < counts[:, None]
+                if shared and p == Precision.HIGH:   # the prefix cache's pages are not the row's to free
+                    mask[:, :shared] = False
                 self.free_pages[p].extend(self.block_table[p][row][mask].tolist())
             counts.zero_()
             self.num_slots[p][row] = 0
-        self.bytes_used -= int(self.row_bytes[row])
+        self.bytes_used -= int(self.row_bytes[row]) - shared * self.num_layers * self.page_costs[Precision.HIGH]
         self.row_bytes[row] = 0
+        self.shared_pages[row] = 0
         self.free_rows.append(row)
+
+    def attach_shared(self, row: int, pages: torch.Tensor) -> None:
+        """Make the cached HIGH pages ``pages [L, k]`` (int32, full, positions ``0 .. k * bs - 1``
+        in slot order in every layer) the first ``k`` pages of the empty ``row``; the row reads
+        them and never writes or frees them. Charges ``row_bytes``, not ``bytes_used``.
+
+        Raises:
+            ValueError: the row already holds entries, or the pages' shape is wrong.
+        """
+        L, k = pages.shape
+        n = k * self.block_size
+        if L != self.num_layers or not 0 < n < self.max_model_len:
+            raise ValueError(f"shared pages must be [{self.num_layers}, k] with k * block_size < "
+                             f"{self.max_model_len}, got {tuple(pages.shape)}")
+        if int(self.next_position[row].max()) or int(self.kept_counts(torch.tensor([row])).sum()):
+            raise ValueError(f"row {row} already holds entries: a shared prefix goes first")
+        h = Precision.HIGH
+        slots = torch.arange(n)
+        self.block_table[h][row, :, :k] = pages
+        self.num_pages[h][row] = k
+        self.num_slots[h][row] = n
+        self.slot_position[h][row, :, :n] = slots.to(torch.int32)
+        self.location[row, :, :n] = loc_of(slots, h)
+        self.next_position[row] = n
+        self.row_bytes[row] += k * self.num_layers * self.page_costs[h]
+        self.shared_pages[row] = k
+
+    def check_not_shared(self, rows: torch.Tensor, slots: torch.Tensor, p: Precision) -> None:
+        """Raise ValueError if any HIGH ``slots`` of ``rows`` (``[n]`` each) lie in shared pages."""
+        if p == Precision.HIGH and bool((slots < self.shared_pages[rows] * self.block_size).any()):
+            raise ValueError("a shared prefix page is read-only: its entries cannot be released or demoted")
 
     # ------------------------------------------------------------------ pages
     @property
@@ -118,6 +166,8 @@ class BlockManager:
 
     def _take(self, p: Precision, n: int) -> list[int]:
         free = self.free_pages[p]
+        if n > len(free) and p == Precision.HIGH and self.evictor is not None:
+            self.evictor(n - len(free))
         if n > len(free):
             raise KVCacheOutOfMemory(f"the {p.name} pool has {len(free)} free pages, {n} needed")
         ids = free[len(free) - n:][::-1]     # the order of n pops
@@ -125,6 +175,8 @@ class BlockManager:
         return ids
 
     def check_fits(self, cost: int, what: str) -> None:
+        if cost > self.bytes_free and self.evictor is not None:
+            self.evictor(-(-(cost - self.bytes_free) // self.page_costs[Precision.HIGH]))
         if cost > self.bytes_free:
             raise KVCacheOutOfMemory(f"KV pool budget exhausted: need {cost} bytes for {what}, "
                                      f"{self.bytes_free} free of {self.max_bytes}")
@@ -181,6 +233,8 @@ class BlockManager:
         ascending, movers ascending); frees emptied pages. Returns ``(dst, src)`` pool-flat
         indices of the data to move (``pool[dst] = pool[src]``)."""
         n = int(self.num_slots[p][row, layer])
+        if slots.numel():
+            self.check_not_shared(torch.full_like(slots, row), slots, p)
         drop = torch.zeros(n, dtype=torch.bool)
         drop[slots] = True
         keep_n = n - int(drop.sum())
@@ -268,6 +322,8 @@ class BlockManager:
         loc = self.location[rows, layers, positions]
         if bool((loc < 0).any()):
             raise ValueError("release_one: a position is not kept")
+        high = (loc & 3) == int(Precision.HIGH)
+        self.check_not_shared(rows[high], (loc[high] >> 2).long(), Precision.HIGH)
         self.location[rows, layers, positions] = -1
         prec, slot = loc & 3, (loc >> 2).long()
         out, bs = {}, self.block_size

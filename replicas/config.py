@@ -20,6 +20,10 @@ class EngineConfig:
         enable_chunked_prefill: prefill a prompt longer than ``max_num_batched_tokens`` over
             several steps, alternating with decode steps, so running streams are not stalled
             for a whole long prompt (vLLM's option of the same name).
+        enable_prefix_caching: share the KV pages of identical prompt prefixes between requests
+            (vLLM's automatic prefix caching; ``replicas/prefix_cache.py``): a request whose
+            prompt starts with cached pages is prefilled from after them. Full KV only for now
+            (other policies raise ValueError at start).
         max_model_len: longest prompt + output in tokens (None: the model's context length).
         kv_policy: KV policy name (see ``replicas.policy.POLICIES``).
         kv_policy_args: keyword arguments of the policy.
@@ -37,6 +41,7 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = False
+    enable_prefix_caching: bool = False
     max_model_len: int | None = None
     kv_policy: str = "full"
     kv_policy_args: dict = field(default_factory=dict)

@@ -26,6 +26,7 @@ from replicas.model_runner import ModelRunner, PrefillChunk
 from replicas.models import load_model
 from replicas.policies import make_policy
 from replicas.policy import PrefillView
+from replicas.prefix_cache import check_policy
 from replicas.sampler import sample
 from replicas.sampling_params import SamplingParams
 from replicas.scheduler import PrefillWork, Scheduler, SchedulerConfig
@@ -114,6 +115,8 @@ class LLMEngine:
         self.config = config
         path = resolve_checkpoint(config.model)
         world = config.tensor_parallel_size
+        if config.enable_prefix_caching:
+            check_policy(config.kv_policy, world)
         self._workers: list = []
         port, addr = (tp.free_port() if world > 1 else 0), "127.0.0.1"
         device_index = None
@@ -149,6 +152,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.replica_budget = 1.0   # set by the cluster budget controller (cluster/controller.py)
         self.table_versions: dict[str, str] = {}
+        if config.enable_prefix_caching:
+            self.kv.enable_prefix_cache(self._prefix_key())
 
     def close(self) -> None:
         """Stop the grammar compiler process and the tensor-parallel workers."""
@@ -279,13 +284,29 @@ class LLMEngine:
             raise ValueError(f"the replica's KV policy {self.policy.name!r} has no {kind!r} table")
         self.policy.swap_table(folder, resolve_checkpoint(self.config.model))
         self.table_versions[kind] = version
+        if self.kv.prefix is not None:   # KV computed under the old table is not reused
+            self.kv.enable_prefix_cache(self._prefix_key())
+
+    def _prefix_key(self) -> tuple:
+        """What a cached prefix's KV depends on besides its tokens (the prefix cache's key)."""
+        c = self.config
+        return (str(resolve_checkpoint(c.model)), c.kv_policy, sorted(c.kv_policy_args.items()), str(self.kv.cfg.dtype),
+                c.block_size, sorted(self.table_versions.items()))
 
     def stats(self) -> dict:
         """What the budget controller reads: KV bytes held and allowed, queue and batch sizes,
-        the replica budget and its floor."""
-        return {"kv_bytes_used": self.kv.bytes_used, "kv_bytes_max": self.kv.cfg.max_bytes,
+        the replica budget and its floor. With prefix caching, ``kv_bytes_used`` counts a shared
+        prefix once and leaves out cached pages no sequence references (evictable:
+        ``kv_bytes_prefix_cached``); ``prefix_cache_queries`` / ``prefix_cache_hits`` are prompt
+        tokens looked up and found cached (vLLM's metrics of the same names)."""
+        prefix = self.kv.prefix
+        idle = prefix.idle_bytes if prefix is not None else 0
+        return {"kv_bytes_used": self.kv.bytes_used - idle, "kv_bytes_max": self.kv.cfg.max_bytes,
                 "num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
-                "budget": self.replica_budget, "floor": self.floor_budget}
+                "budget": self.replica_budget, "floor": self.floor_budget,
+                "kv_bytes_prefix_cached": idle,
+                "prefix_cache_queries": prefix.queries if prefix is not None else 0,
+                "prefix_cache_hits": prefix.hits if prefix is not None else 0}
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its KV cache; None if it is not in flight."""
@@ -351,7 +372,7 @@ class LLMEngine:
         chunks = []
         for item in work:
             seq = item.seq
-            if item.start == 0:
+            if seq.prefill_state is None:   # its first chunk (after a cached prefix, if any)
                 seq.prefill_state = {"targets": self.policy.prefill_targets(seq, kv), "queries": {}, "hidden": None}
             targets = seq.prefill_state["targets"]
             chunks.append(PrefillChunk(seq.request_id, seq.all_token_ids[item.start:item.end], item.start,
@@ -363,6 +384,9 @@ class LLMEngine:
             for seq in decode + [item.seq for item in work]:
                 self.scheduler.preempt(seq)
             return [], None
+        if kv.prefix is not None:   # every layer of these chunks is written: their full pages can be shared
+            for item in work:
+                kv.cache_prefix(item.seq.request_id, item.seq.all_token_ids, item.end)
         done, rows = list(decode), [logits] if decode else []
         if decode:
             ev = self.policy.decode_evictions(decode, kv, plan.rows, queries)
@@ -443,7 +467,8 @@ class LLMEngine:
         layers = range(kv.cfg.num_layers)
         while kv.sequence_bytes(rid) > allowed + 1e-6:
             layer = max(layers, key=lambda l: kv.num_kept(rid, l))
-            oldest = kv.kept_positions(rid, layer)[: kv.cfg.block_size]
+            kept = kv.kept_positions(rid, layer)
+            oldest = kept[kept >= kv.shared_tokens(rid)][: kv.cfg.block_size]   # shared pages are read-only
             if not oldest.numel():
                 break
             kv.set_precision(rid, layer, oldest, Precision.RELEASED)

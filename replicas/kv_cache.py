@@ -151,6 +151,29 @@ class KVCache:
         self.blocks = BlockManager(cfg.num_layers, cfg.block_size, cfg.max_num_seqs, cfg.max_model_len,
                                    self._page_cost, caps, cfg.max_bytes)
         self.device = torch.device(cfg.device)
+        self.prefix = None   # replicas.prefix_cache.PrefixCache, when enabled
+
+    def enable_prefix_cache(self, key) -> None:
+        """Share full-KV prefix pages between sequences (``replicas.prefix_cache``); ``key``
+        names the model, policy and tables (a new key invalidates every entry)."""
+        from replicas.prefix_cache import PrefixCache
+        if self.prefix is None:
+            self.prefix = PrefixCache(self.blocks, key)
+        else:
+            self.prefix.set_key(key)
+
+    def prefix_hit(self, token_ids: list[int]) -> tuple[int, int]:
+        """``(tokens of token_ids cached, bytes of those cached pages now evictable)``."""
+        return (0, 0) if self.prefix is None else self.prefix.peek(token_ids)
+
+    def attach_prefix(self, seq_id, token_ids: list[int]) -> int:
+        """Give the new ``seq_id`` the cached prefix of ``token_ids``; returns its tokens (0 without a cache)."""
+        return 0 if self.prefix is None else self.prefix.attach(seq_id, token_ids)
+
+    def cache_prefix(self, seq_id, token_ids: list[int], num_computed: int) -> None:
+        """Cache ``seq_id``'s full pages of ``token_ids[:num_computed]`` (no-op without a cache)."""
+        if self.prefix is not None:
+            self.prefix.register(seq_id, token_ids, num_computed)
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -164,7 +187,8 @@ class KVCache:
 
     @property
     def bytes_free(self) -> int:
-        return self.blocks.bytes_free
+        """Free bytes, counting cached prefix pages no sequence references (evicted on demand)."""
+        return self.blocks.bytes_free + (self.prefix.idle_bytes if self.prefix is not None else 0)
 
     def page_cost(self, precision: Precision) -> int:
         return self._page_cost[precision]
@@ -175,6 +199,10 @@ class KVCache:
     def sequence_bytes(self, seq_id) -> int:
         """Bytes held by one sequence: its pages and their block-table entries."""
         return int(self.blocks.row_bytes[self.blocks.rows[seq_id]])
+
+    def shared_tokens(self, seq_id) -> int:
+        """Positions ``0 .. n - 1`` of a sequence held in shared (read-only) prefix pages: ``n``."""
+        return int(self.blocks.shared_pages[self.blocks.rows[seq_id]]) * self.cfg.block_size
 
     def next_token_bytes(self, seq_id) -> int:
         """Bytes the next decode token of a sequence may need (see ``BlockManager.next_token_bytes``)."""
@@ -223,6 +251,8 @@ class KVCache:
         self.blocks.add(seq_id)
 
     def free_sequence(self, seq_id) -> None:
+        if self.prefix is not None:
+            self.prefix.release(seq_id)
         self.blocks.free(seq_id)
 
     def _zero_fresh(self, precision: Precision) -> None:

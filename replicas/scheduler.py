@@ -19,6 +19,10 @@ prefilled sequence and fills the rest of its ``max_num_batched_tokens`` with pro
 the same forward: a long prompt is prefilled over several steps and running streams keep
 getting a token per step (each step as slow as its chunk).
 
+With a prefix cache (``replicas.prefix_cache``) an admitted sequence starts with the cached pages
+of its prompt's prefix and is prefilled from there; those pages are not counted again, and
+cached pages no sequence references count as free (they are evicted when needed).
+
 Before a decode step, a sequence whose next token needs new pages that the pool cannot give
 preempts the most recently admitted running sequences: their cache is freed and they wait at the
 front of the queue, to be prefilled again with prompt and output so far (vLLM's recompute
@@ -137,20 +141,26 @@ class Scheduler:
         while self.waiting and len(self.running) < self.cfg.max_num_seqs and budget_tokens > 0:
             seq = self.waiting[0]
             full, compressed = self._sizes(seq)
-            first = min(seq.num_tokens, budget_tokens) if chunked else seq.num_tokens
+            # A cached prefix (full KV) is held already: not needed again, but its pages that no
+            # sequence references, counted free until now, stop being evictable.
+            hit, idle = self.kv.prefix_hit(seq.all_token_ids)
+            hit_bytes = self.kv.full_kv_bytes(hit)
+            first = min(seq.num_tokens - hit, budget_tokens) if chunked else seq.num_tokens - hit
             extra = self._chunk_bytes(first) if per_chunk else full - compressed
-            if reserve + held + compressed + transient + extra > self.kv.bytes_free:
+            if reserve + held + max(0, compressed - hit_bytes) + transient + extra > self.kv.bytes_free - idle:
                 break
-            if out.prefill and seq.num_tokens > budget_tokens and not chunked:
+            if out.prefill and seq.num_tokens - hit > budget_tokens and not chunked:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.kv.add_sequence(seq.request_id)
+            start = seq.num_computed_tokens = self.kv.attach_prefix(seq.request_id, seq.all_token_ids)
             self.running.append(seq)
-            out.prefill.append(PrefillWork(seq, 0, first))
-            held += compressed
+            end = min(seq.num_tokens, start + budget_tokens) if chunked else seq.num_tokens
+            out.prefill.append(PrefillWork(seq, start, end))
+            held += max(0, compressed - hit_bytes)
             transient += extra
-            budget_tokens -= first
+            budget_tokens -= end - start
         if out.prefill or chunked:
             return out
         return self._decode(out)
