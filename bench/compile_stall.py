@@ -1,7 +1,7 @@
 """A running stream while another request's grammar compiles: inter-token latency, compile inline
 (main's behaviour) against off the engine loop; and detokenizer decodes per token.
 
-    python -m bench.compile_stall [--compile-s 5] [--tokens 1500] [--json PATH]
+    python -m bench.compile_stall [--compile-s 5] [--tokens 600] [--repeats 2] [--json PATH]
 
 One engine on the embedded model behind ``AsyncLLMEngine``, one asyncio loop (as the API server
 runs it). A stream (a synthetic test prompt, ``--tokens`` generated, greedy) runs; in the compile
@@ -18,7 +18,8 @@ its compiler process; the compile itself is a real one of a small schema, a few 
 ITL = time between two of the stream's outputs as its consumer sees them (ms), over the window
 from the second request's arrival to its compile's end (``window``: for the no-compile row the
 same number of seconds from its 50th token) and over the whole stream. Also the tokens the stream
-got during the compile. The machine is shared: one run, side by side.
+got during the compile, and where the longest gap fell (seconds from the arrival). The rows run
+in turn ``--repeats`` times, each compile row against the no-compile row just before it.
 
 Detokenization (deterministic): the same requests through ``LLMEngine.generate`` with main's
 detokenizer (tokenizer ``decode`` of the new ids with the previous step's as context, twice a
@@ -99,7 +100,9 @@ def stream_row(engine, mode: str, prompt: list[int], other: list[int], tokens: i
     gaps = [(t1, t1 - t0) for t0, t1 in zip(times, times[1:])]
     window = [g for t1, g in gaps if start < t1 and t1 - g < end]
     during = sum(1 for t in times if start < t <= end)
+    t1, g = max(gaps, key=lambda x: x[1])
     row = {"mode": mode, "window_s": round(end - start, 3), "tokens_during_compile": during,
+           "longest_gap_s_from_arrival": [round(t1 - g - start, 3), round(t1 - start, 3)],
            "window": _stats(window), "whole": _stats([g for _, g in gaps]), "stream_tokens": len(times)}
     if other_out is not None:
         row["grammar_request"] = {"finish_reason": other_out.finish_reason, "text": other_out.text}
@@ -155,8 +158,9 @@ def decode_counts(engine, prompts: list[list[int]], tokens: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--compile-s", type=float, default=5.0)
-    ap.add_argument("--tokens", type=int, default=1500, help="tokens the running stream generates")
+    ap.add_argument("--tokens", type=int, default=600, help="tokens the running stream generates")
     ap.add_argument("--decode-tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=2, help="runs of the three rows, in turn")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     import torch
@@ -173,12 +177,12 @@ def main(argv=None) -> int:
                for cat in ("simple", "multiple") for ex in gen.examples(cat, 2)]
     engine.grammar.compile(GrammarSpec("json_schema", SCHEMA))   # the compiler process is up first
     rows = [stream_row(engine, mode, prompts[0], prompts[1], args.tokens, args.compile_s, i)
-            for i, mode in enumerate(("no compile", "inline", "off loop"))]
-    base = rows[0]["window"]["p99_ms"]
+            for i, mode in enumerate(("no compile", "inline", "off loop") * args.repeats)]
     print(f"{'mode':<11} {'window s':>8} {'tok in it':>9} {'ITL p50':>8} {'p99':>8} {'max':>8} {'p99/base':>8}"
           f" | {'whole p50':>9} {'p99':>8} {'max':>8}")
-    for r in rows:
+    for k, r in enumerate(rows):
         w, h = r["window"], r["whole"]
+        base = rows[k - k % 3]["window"]["p99_ms"]   # the no-compile row of the same run
         r["window_p99_over_no_compile"] = round(w["p99_ms"] / base, 2)
         print(f"{r['mode']:<11} {r['window_s']:>8.2f} {r['tokens_during_compile']:>9} {w['p50_ms']:>8.1f} "
               f"{w['p99_ms']:>8.1f} {w['max_ms']:>8.1f} {r['window_p99_over_no_compile']:>7.2f}x | "

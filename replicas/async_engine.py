@@ -79,8 +79,12 @@ class AsyncLLMEngine:
             if held:   # compiled off the loop; an abort (the consumer gone) meanwhile drops the request
                 matcher = await loop.run_in_executor(self._compiles, compiler.matcher, grammar)
                 with self._lock:
-                    if not self.engine.grammar_ready(request_id, matcher):
-                        return
+                    ready = self.engine.grammar_ready(request_id, matcher)
+                if not ready:   # aborted meanwhile; by a failed step, whose error is on its way here
+                    await asyncio.sleep(0)
+                    if not queue.empty() and isinstance(error := queue.get_nowait(), BaseException):
+                        raise error
+                    return
             self._wake.set()
             while True:
                 item = await queue.get()

@@ -192,3 +192,33 @@ def test_compile_error_raises_before_streaming(async_engine, engine, chat_prompt
         asyncio.run(main())
     assert isinstance(e.value, InvalidRequestError)
     assert not engine._seqs and not async_engine._queues and engine.kv.bytes_used == 0
+
+
+def test_failed_step_while_compiling_reaches_the_held_request(async_engine, engine, chat_prompts, monkeypatch):
+    """A step that fails while a grammar compiles ends the held request with EngineDeadError once
+    its compile is done (not a stream that ends with nothing)."""
+    from replicas.async_engine import EngineDeadError
+    from replicas.grammar import GrammarSpec
+    entered, gate = _blocked_compiles(monkeypatch, engine)
+
+    def broken():
+        raise RuntimeError("boom")
+
+    async def main():
+        held = async_engine.generate(chat_prompts[1], SamplingParams(max_tokens=4),
+                                     grammar=GrammarSpec("json_schema", {**SCHEMA, "title": "failed-step"}))
+        task = asyncio.ensure_future(held.__anext__())
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        engine.step = broken
+        try:
+            with pytest.raises(EngineDeadError, match="boom"):
+                async for _ in async_engine.generate(chat_prompts[0], SamplingParams(max_tokens=4)):
+                    pass
+        finally:
+            del engine.step
+        gate.set()
+        with pytest.raises(EngineDeadError, match="boom"):
+            await task
+    asyncio.run(main())
+    assert not engine._seqs and not async_engine._queues and engine.kv.bytes_used == 0
