@@ -53,7 +53,7 @@ def run(chunk: int, streams: list[list[int]], longs: list[list[int]], every: int
                 gaps.append(now - last_t[rid])
                 step_gaps.append(step - last_step[rid])
                 last_t[rid], last_step[rid] = now, step
-            if rid in arrived and len(out.token_ids) == 1:
+            if rid in arrived and out.num_output_tokens == 1:
                 ttft.append(now - arrived[rid])
             if out.finished:
                 last_t.pop(rid, None)

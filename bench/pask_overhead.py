@@ -69,7 +69,7 @@ def measure(batch: int, max_tokens: int, table: str | None, seed: int = 0) -> di
             outs = eng.step()
             dt = time.perf_counter() - t
             eng._enforce_budget = enforce
-            if len(outs) == batch and all(len(o.token_ids) > 1 for o in outs):  # pure decode steps
+            if len(outs) == batch and all(o.num_output_tokens > 1 for o in outs):  # pure decode steps
                 steps.append((dt, tag.total, lookup.total, apply.total))
                 tokens += len(outs)
         eng.close()

@@ -28,7 +28,7 @@ from replicas.async_engine import AsyncLLMEngine, EngineDeadError
 from replicas.errors import GrammarCompileError, InvalidRequestError
 from replicas.grammar import GrammarSpec
 from replicas.sampling_params import SamplingParams
-from replicas.detokenizer import IncrementalDetokenizer
+from replicas.detokenizer import IncrementalDetokenizer, token_bytes_of
 from replicas.sequence import RequestOutput, TokenLogprob
 
 
@@ -102,7 +102,7 @@ class APIMetrics:
     def finished(self, out: RequestOutput) -> None:
         if self.m is None:
             return
-        m, n = out.metrics, len(out.token_ids)
+        m, n = out.metrics, out.num_output_tokens
         self.m["requests"].inc(1, {**self.tags, "finish_reason": out.finish_reason or "unknown"})
         self.m["prompt"].inc(out.num_prompt_tokens, self.tags)
         if n:
@@ -389,8 +389,8 @@ class OpenAIServer:
 
     def usage(self, out: RequestOutput) -> dict:
         m = out.metrics
-        return Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=len(out.token_ids),
-                     total_tokens=out.num_prompt_tokens + len(out.token_ids), kv_bytes_peak=m.kv_bytes_peak,
+        return Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
+                     total_tokens=out.num_prompt_tokens + out.num_output_tokens, kv_bytes_peak=m.kv_bytes_peak,
                      kv_budget_ratio_mean=round(m.kv_ratio_mean, 6), kv_budget_ratio_max=round(m.kv_ratio_max, 6),
                      kv_policy=self._policy_label()).model_dump()
 
@@ -446,6 +446,7 @@ class LogprobFormatter:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.token_bytes = token_bytes_of(tokenizer)   # for TextOffsets: one decode a token
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         self._byte_of = None
         if type(decoder).__name__ == "ByteLevel":
@@ -479,7 +480,7 @@ class LogprobFormatter:
         ``offsets`` carries the position over the chunks of a stream)."""
         if entries is None:
             return None
-        offsets = offsets or TextOffsets(self.tokenizer)
+        offsets = offsets or TextOffsets(self.tokenizer, self.token_bytes)
         return {"tokens": [self._text(e.token_id) for e in entries],
                 "token_logprobs": [e.logprob for e in entries],
                 # The sampled token is always among them (OpenAI's legacy format: up to N + 1).
@@ -491,8 +492,8 @@ class LogprobFormatter:
 class TextOffsets:
     """Where each next token's text starts in the output text (characters)."""
 
-    def __init__(self, tokenizer):
-        self._detok = IncrementalDetokenizer(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    def __init__(self, tokenizer, token_bytes=None):
+        self._detok = IncrementalDetokenizer(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), token_bytes)
 
     def next(self, token_id: int) -> int:
         at = len(self._detok.text)
@@ -659,15 +660,21 @@ async def _outputs(first, stream):
 
 class _LogprobCursor:
     """A stream's log-probabilities not sent yet (tokens whose text is held back go with a later
-    chunk), rendered by ``render`` into a chunk's ``logprobs``."""
+    chunk), gathered from the outputs' deltas by :meth:`take`, rendered by ``render`` into a
+    chunk's ``logprobs``."""
 
     def __init__(self, render):
-        self.render, self.sent = render, 0
+        self.render, self.pending, self.asked = render, [], False
 
-    def __call__(self, out: RequestOutput, only_if_left: bool = False) -> dict:
-        if out.logprobs is None or (only_if_left and self.sent >= len(out.logprobs)):
+    def take(self, out: RequestOutput) -> None:
+        if out.new_logprobs is not None:
+            self.asked = True
+            self.pending += out.new_logprobs
+
+    def __call__(self, only_if_left: bool = False) -> dict:
+        if not self.asked or (only_if_left and not self.pending):
             return {}
-        entries, self.sent = out.logprobs[self.sent:], len(out.logprobs)
+        entries, self.pending = self.pending, []
         return {"logprobs": self.render(entries)}
 
 
@@ -725,18 +732,20 @@ async def _chat_stream(server, rid, created, model, first, stream, tools_mode, u
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     yield usage.chunk({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                             "finish_reason": None}]}, first)
-    sent, out, logprobs = 0, first, _LogprobCursor(server.logprobs.chat)
+    sent, out, logprobs, text = 0, first, _LogprobCursor(server.logprobs.chat), ""
     parser, tool_deltas, has_calls = chat.ToolCallParser(), _ToolCallDeltas(), False
 
     try:
         async for out in _outputs(first, stream):
+            logprobs.take(out)
+            text += out.new_text
             deltas: list[dict] = []
             if tools_mode is None:
-                visible = out.text
+                visible = text
             else:
                 # Content goes out as the text outside <tool_call> blocks, stripped as the whole
                 # answer's is (trailing whitespace waits); calls stream as they are written.
-                state = parser.update(out.text, final=out.finished)
+                state = parser.update(text, final=out.finished)
                 visible = state.content.strip()
                 if tools_mode == "calls":
                     deltas = [{"tool_calls": [d]} for d in tool_deltas(state.calls)]
@@ -746,12 +755,12 @@ async def _chat_stream(server, rid, created, model, first, stream, tools_mode, u
                 sent = len(visible)
             for k, delta in enumerate(deltas):   # the step's log-probabilities go with its first chunk
                 yield usage.chunk({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None,
-                                                        **logprobs(out, only_if_left=k > 0)}]}, out)
+                                                        **logprobs(only_if_left=k > 0)}]}, out)
     except APIError as e:
         yield error_event(e)
         return
     yield usage.chunk({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": _finish_reason(out, has_calls),
-                                            **logprobs(out, only_if_left=True)}]}, out)
+                                            **logprobs(only_if_left=True)}]}, out)
     for event in usage.last(base, out):
         yield event
     yield "data: [DONE]\n\n"
@@ -759,20 +768,20 @@ async def _chat_stream(server, rid, created, model, first, stream, tools_mode, u
 
 async def _completion_stream(server, rid, created, model, first, stream, usage: _StreamUsage):
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
-    offsets = TextOffsets(server.tokenizer)
-    sent, out, logprobs = 0, first, _LogprobCursor(lambda entries: server.logprobs.completion(entries, offsets))
+    offsets = TextOffsets(server.tokenizer, server.logprobs.token_bytes)
+    out, logprobs = first, _LogprobCursor(lambda entries: server.logprobs.completion(entries, offsets))
 
     try:
         async for out in _outputs(first, stream):
-            if len(out.text) > sent:
-                yield usage.chunk({**base, "choices": [{"index": 0, "text": out.text[sent:], "finish_reason": None,
-                                                        **logprobs(out)}]}, out)
-                sent = len(out.text)
+            logprobs.take(out)
+            if out.new_text:
+                yield usage.chunk({**base, "choices": [{"index": 0, "text": out.new_text, "finish_reason": None,
+                                                        **logprobs()}]}, out)
     except APIError as e:
         yield error_event(e)
         return
     yield usage.chunk({**base, "choices": [{"index": 0, "text": "", "finish_reason": _finish_reason(out, False),
-                                            **logprobs(out, only_if_left=True)}]}, out)
+                                            **logprobs(only_if_left=True)}]}, out)
     for event in usage.last(base, out):
         yield event
     yield "data: [DONE]\n\n"

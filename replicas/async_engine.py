@@ -1,14 +1,22 @@
 """Asynchronous streaming wrapper around :class:`LLMEngine` for a Ray Serve replica (or any
 asyncio server).
 
-The engine steps in one background thread; each request streams its cumulative
-:class:`RequestOutput` s through an asyncio queue of the caller's event loop. A consumer that stops
-iterating (client disconnect, timeout, cancellation) aborts its request, which frees its KV cache.
+The engine steps in one background thread; each request streams its :class:`RequestOutput` s
+through an asyncio queue of the caller's event loop. A consumer that stops iterating (client
+disconnect, timeout, cancellation) aborts its request, which frees its KV cache.
+
+A request's grammar compiles off the engine loop: the request is checked and held by the engine
+(not scheduled), the compile runs in a thread of this wrapper (the compiler's own process, cache
+and bounds, as ``LLMEngine`` uses them), and only then is the request scheduled. Running streams
+keep stepping meanwhile; before this, the compile ran in ``add_request`` under the loop's lock and
+every stream stopped for it (``compile_inline=True`` keeps that behaviour, for
+``bench.compile_stall``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import threading
 from typing import AsyncIterator
@@ -25,8 +33,16 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine):
+    """Args:
+        engine: the engine, owned by this wrapper's loop thread from now on.
+        compile_inline: compile grammars in ``add_request`` under the loop's lock, stalling every
+            stream for the compile (the old behaviour; for comparison only).
+    """
+
+    def __init__(self, engine: LLMEngine, compile_inline: bool = False):
         self.engine = engine
+        self.compile_inline = compile_inline
+        self._compiles = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -46,18 +62,30 @@ class AsyncLLMEngine:
         """Stream the request's outputs until it finishes.
 
         Raises:
-            InvalidRequestError: from ``LLMEngine.add_request``, before anything is generated.
+            InvalidRequestError: from ``LLMEngine.add_request``, before anything is generated
+                (``GrammarCompileError`` for a grammar that does not compile, after its compile).
             EngineDeadError: the engine loop failed while the request was in flight.
         """
         request_id = request_id or f"req-{next(self._ids)}"
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
+        held = grammar is not None and not self.compile_inline
         with self._lock:
-            self.engine.add_request(request_id, prompt, params, grammar, kv_budget)
+            self.engine.add_request(request_id, prompt, params, grammar, kv_budget, compile_grammar=not held)
             self._queues[request_id] = (loop, queue)
-        self._wake.set()
+            compiler = self.engine.grammar if held else None   # (built here, not in two threads at once)
         finished = False
         try:
+            if held:   # compiled off the loop; an abort (the consumer gone) meanwhile drops the request
+                matcher = await loop.run_in_executor(self._compiles, compiler.matcher, grammar)
+                with self._lock:
+                    ready = self.engine.grammar_ready(request_id, matcher)
+                if not ready:   # aborted meanwhile; by a failed step, whose error is on its way here
+                    await asyncio.sleep(0)
+                    if not queue.empty() and isinstance(error := queue.get_nowait(), BaseException):
+                        raise error
+                    return
+            self._wake.set()
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -138,3 +166,4 @@ class AsyncLLMEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=5)
+        self._compiles.shutdown(wait=False, cancel_futures=True)

@@ -18,7 +18,7 @@ import torch
 
 from models import resolve_checkpoint
 from replicas.config import EngineConfig
-from replicas.detokenizer import IncrementalDetokenizer
+from replicas.detokenizer import IncrementalDetokenizer, token_bytes_of
 from replicas.errors import InvalidRequestError
 from replicas.grammar import GrammarCompiler, GrammarSpec
 from replicas.kv_cache import KVCache, KVCacheConfig, KVCacheOutOfMemory, Precision
@@ -133,6 +133,7 @@ class LLMEngine:
         mc = self.model.config
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self._detokenize = _detokenizer(self.tokenizer)
+        self._token_bytes = token_bytes_of(self.tokenizer)   # byte-level vocabularies: one decode a token
         self._token_text = TokenText(self.tokenizer)
         self.eos_token_ids = set(mc.eos_token_ids) | self._generation_eos(path)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
@@ -183,8 +184,13 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    grammar: GrammarSpec | None = None, kv_budget: float | None = None) -> None:
+                    grammar: GrammarSpec | None = None, kv_budget: float | None = None,
+                    compile_grammar: bool = True) -> None:
         """Queue a request.
+
+        ``compile_grammar=False`` (with a ``grammar``): the request is checked and held, not
+        scheduled, until :meth:`grammar_ready` hands it its matcher (``AsyncLLMEngine`` compiles
+        off the engine loop meanwhile; vLLM v1's WAITING_FOR_FSM); :meth:`abort` drops it.
 
         Raises:
             InvalidRequestError: duplicate id, empty prompt, token ids outside the vocabulary, prompt
@@ -232,17 +238,28 @@ class LLMEngine:
             floor = self.policy.prompt_floor(labels, self.kv)
         if spec.prompt_only:
             floor = 1.0  # compresses the prompt to a token count: a lower budget has nothing to act on
-        matcher = self.grammar.matcher(grammar) if grammar is not None else None
+        matcher = self.grammar.matcher(grammar) if grammar is not None and compile_grammar else None
         seq = Sequence(request_id, ids, params, matcher=matcher, kv_budget=budget, requested_budget=budget,
                        floor_budget=floor,
                        generator=torch.Generator().manual_seed(params.seed) if params.seed is not None else None)
         seq.kv_budget = self._effective_budget(seq)
-        seq.detokenizer = IncrementalDetokenizer(self._detokenize)
+        seq.detokenizer = IncrementalDetokenizer(self._detokenize, self._token_bytes)
         if spec.needs_tags:
             seq.policy_state["tagger"] = _tagger_for(grammar)
             seq.policy_state["prompt_labels"] = labels
         self._seqs[request_id] = seq
+        if grammar is None or compile_grammar:
+            self.scheduler.add(seq)
+
+    def grammar_ready(self, request_id: str, matcher) -> bool:
+        """Schedule a request held by ``add_request(..., compile_grammar=False)`` with its
+        compiled ``matcher``; False if it was aborted meanwhile."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return False
+        seq.matcher = matcher
         self.scheduler.add(seq)
+        return True
 
     # ------------------------------------------------------------------ cluster control
     def _effective_budget(self, seq: Sequence) -> float:
@@ -493,10 +510,12 @@ class LLMEngine:
         if seq.matcher is not None and not seq.matcher.is_terminated():
             seq.matcher.accept_token(token)
         stop_token = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        searched = len(seq.text)
         if not stop_token or (p.include_stop_str_in_output and token in p.stop_token_ids):
-            seq.detokenizer.add(token)   # a stop token is not part of the text unless asked for (vLLM)
-        seq.text = seq.detokenizer.text
-        hits = [(i, len(s)) for i, s in ((seq.text.find(s), s) for s in p.stop) if i >= 0]
+            seq.text += seq.detokenizer.add(token)   # a stop token is not part of the text unless asked for (vLLM)
+        # Only where a stop string could end in the new text (the text before was searched).
+        hits = [(i, len(s)) for i, s in ((seq.text.find(s, max(0, searched - len(s) + 1)), s) for s in p.stop)
+                if i >= 0] if len(seq.text) > searched else []
         if hits:
             at, length = min(hits)
             seq.text = seq.text[: at + length if p.include_stop_str_in_output else at]

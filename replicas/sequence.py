@@ -72,6 +72,8 @@ class Sequence:
     policy_state: dict = field(default_factory=dict)  # owned by the KV policy (tags, scores ...)
     detokenizer: Any = None                   # replicas.detokenizer.IncrementalDetokenizer
     logprobs: list[TokenLogprob] | None = None  # one per output token, when params.logprobs is set
+    sent_chars: int = 0                       # characters of ``text`` and tokens reported in outputs
+    sent_tokens: int = 0
     # Prefill progress: tokens whose KV is in the cache while the prompt is prefilled (in chunks
     # with chunked prefill), and whether it is done (then the sequence decodes); both reset by a
     # preemption. ``prefill_state`` is the engine's (the policy's targets, window queries so far).
@@ -94,24 +96,44 @@ class Sequence:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """What the engine reports for a request after a step (cumulative, not a delta)."""
+    """What the engine reports for a request after a step: what is new since its last output.
+
+    ``new_token_ids``, ``new_text`` and ``new_logprobs`` (None unless asked for) are the deltas: over
+    a request's outputs they add up to its whole output, each token reported once (no copy of what
+    came before). The finished output (``finished``) also carries the whole output in
+    ``token_ids``, ``text`` and ``logprobs``; an unfinished one has ``token_ids`` and ``text`` None.
+    ``num_output_tokens`` counts the tokens generated so far.
+    """
     request_id: str
-    text: str
-    token_ids: list[int]
+    new_text: str
+    new_token_ids: list[int]
     finished: bool
     finish_reason: str | None
     num_prompt_tokens: int
+    num_output_tokens: int
     metrics: RequestMetrics
-    logprobs: list[TokenLogprob] | None = None   # one per token id, when asked for
+    new_logprobs: list[TokenLogprob] | None = None
+    text: str | None = None
+    token_ids: list[int] | None = None
+    logprobs: list[TokenLogprob] | None = None
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestOutput":
-        """The request's state after a step. While it runs with stop strings, the text holds back
-        its last ``max(len(stop)) - 1`` characters, which could be the start of a stop string
-        (vLLM does the same), so streamed text is always a prefix of the final text."""
-        text = seq.text
-        if seq.params.stop and not seq.is_finished:
-            text = text[:max(0, len(text) - max(map(len, seq.params.stop)) + 1)]
-        return cls(seq.request_id, text, list(seq.output_token_ids), seq.is_finished,
-                   seq.finish_reason, len(seq.prompt_token_ids), copy.copy(seq.metrics),
-                   None if seq.logprobs is None else list(seq.logprobs))
+        """The request's news after a step, marked as reported in ``seq``. While it runs with stop
+        strings, the text holds back its last ``max(len(stop)) - 1`` characters, which could be the
+        start of a stop string (vLLM does the same), so text reported is never taken back."""
+        text, done = seq.text, seq.is_finished
+        visible = len(text)
+        if seq.params.stop and not done:
+            visible = max(0, visible - max(map(len, seq.params.stop)) + 1)
+        new_text = text[seq.sent_chars:visible] if visible > seq.sent_chars else ""
+        seq.sent_chars = max(seq.sent_chars, visible)
+        n, k = len(seq.output_token_ids), seq.sent_tokens
+        seq.sent_tokens = n
+        lps = seq.logprobs
+        return cls(seq.request_id, new_text, seq.output_token_ids[k:], done, seq.finish_reason,
+                   len(seq.prompt_token_ids), n, copy.copy(seq.metrics),
+                   None if lps is None else lps[k:],
+                   text if done else None, list(seq.output_token_ids) if done else None,
+                   None if lps is None or not done else list(lps))
+

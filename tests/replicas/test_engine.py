@@ -180,3 +180,39 @@ def test_logprobs_are_the_models_distribution(engine, chat_prompts):
     assert no.logprobs is None
     with pytest.raises(InvalidRequestError, match="logprobs"):
         SamplingParams(logprobs=21)
+
+
+def _deltas(engine, prompt, params, rid):
+    engine.add_request(rid, prompt, params)
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    return outs
+
+
+@pytest.mark.parametrize("stop", [(), None])
+def test_outputs_are_deltas_that_add_up_to_the_whole_output(engine, chat_prompts, stop):
+    """Each step reports only its new token, text and log-probabilities (one token each, no
+    copy of the earlier ones); they add up to the finished output's whole token ids, text and
+    log-probabilities, which equal a full decode and ``generate()``'s answer. With a stop string
+    (``None``: one taken from the free output) the held-back text still adds up."""
+    free = engine.generate([chat_prompts[0]], SamplingParams(max_tokens=40, logprobs=2))[0]
+    if stop is None:
+        stop = (free.text[5:7],)
+    params = SamplingParams(max_tokens=40, logprobs=2, stop=stop)
+    outs = _deltas(engine, chat_prompts[0], params, f"deltas-{len(stop)}")
+    last = outs[-1]
+    assert last.finished and all(not o.finished for o in outs[:-1])
+    assert all(o.token_ids is None and o.text is None and o.logprobs is None for o in outs[:-1])
+    assert all(len(o.new_token_ids) == len(o.new_logprobs) == 1 for o in outs)
+    assert [o.num_output_tokens for o in outs] == list(range(1, len(outs) + 1))
+    assert [t for o in outs for t in o.new_token_ids] == last.token_ids
+    assert [e for o in outs for e in o.new_logprobs] == last.logprobs
+    assert "".join(o.new_text for o in outs) == last.text
+    want = engine.generate([chat_prompts[0]], params)[0]
+    assert (last.token_ids, last.text, last.logprobs) == (want.token_ids, want.text, want.logprobs)
+    if stop:
+        assert last.finish_reason == "stop" and last.text == free.text[: free.text.find(stop[0])]
+    else:
+        assert last.text == engine.tokenizer.decode(last.token_ids, skip_special_tokens=True)
+        assert (last.token_ids, last.text) == (free.token_ids, free.text)
