@@ -117,6 +117,31 @@ def unenforced_keywords(schema: Any) -> list[str]:
     return found
 
 
+def _anchored_whole(pattern: str) -> bool:
+    """Whether ``pattern`` only matches whole strings as JSON Schema reads it (unanchored): it
+    starts with ``^``, ends with an unescaped ``$`` and has no top-level ``|``."""
+    if not (pattern.startswith("^") and pattern.endswith("$")) or pattern.endswith("\\$"):
+        return False
+    return not any(pattern[i] == "|" for i, _ in _top_level_atoms(pattern))
+
+
+def incomplete_keywords(schema: Any) -> list[str]:
+    """Places where xgrammar 0.2.9 would reject valid instances (sound, but not complete): a
+    ``pattern`` not anchored at both ends (JSON Schema searches it, xgrammar matches it whole:
+    ``"^pkg:"`` rejected ``"pkg:x"``) and a string length bound (``minLength`` / ``maxLength``:
+    xgrammar then refuses every JSON escape, ``"a\\nb"`` for ``maxLength: 5``). llguidance 1.9
+    accepts both (measured, ``docs/grammar_backends.md``); such a schema goes to llguidance and
+    falls back to xgrammar where llguidance refuses it (:meth:`GrammarCompiler.compile`)."""
+    found = []
+    for node, where in _walk(schema):
+        if isinstance(node.get("pattern"), str) and not _anchored_whole(node["pattern"]):
+            found.append(f"pattern not anchored at both ends at {where}")
+        if ("maxLength" in node or node.get("minLength", 0) not in (0, None)) and node.get("type") in (None, "string") \
+                or isinstance(node.get("type"), list) and "string" in node["type"] and "maxLength" in node:
+            found.append(f"string length bound at {where}")
+    return found
+
+
 _CONSTRAINTS = ("type", "properties", "required", "items", "prefixItems", "additionalProperties",
                 "patternProperties", "enum", "const", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
                 "multipleOf", "minLength", "maxLength", "pattern", "format", "minItems", "maxItems",
@@ -362,7 +387,7 @@ def backend_for(spec: GrammarSpec) -> str:
     uses something xgrammar does not enforce. Raises nothing; a spec llguidance cannot enforce
     either is refused when llguidance compiles it."""
     if spec.kind == "json_schema":
-        return "llguidance" if unenforced_keywords(spec.value) else "xgrammar"
+        return "llguidance" if unenforced_keywords(spec.value) or incomplete_keywords(spec.value) else "xgrammar"
     if spec.kind == "tools":
         if spec.value.get("tool_choice", "auto") == "none":
             return "xgrammar"  # free text: no argument schema takes part
@@ -372,6 +397,16 @@ def backend_for(spec: GrammarSpec) -> str:
     if spec.kind == "regex" and (_LOOKAROUND.search(spec.value) or optional_group_starting_optional(spec.value)):
         return "llguidance"   # xgrammar ignores look-around and mis-compiles such groups; llguidance refuses look-around
     return "xgrammar"
+
+
+def fallback_for(spec: GrammarSpec) -> str | None:
+    """The backend that compiles ``spec`` when :func:`backend_for`'s choice refuses it, or None:
+    xgrammar for a json_schema sent to llguidance only for completeness
+    (:func:`incomplete_keywords`; xgrammar enforces all of it, but rejects some valid
+    instances)."""
+    if spec.kind == "json_schema" and not unenforced_keywords(spec.value) and incomplete_keywords(spec.value):
+        return "xgrammar"
+    return None
 
 
 def _lark_str(s: str) -> str:
@@ -821,12 +856,12 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return hit[0]
             spec = _check(spec)
-            backend = backend_for(spec)
-            if self.isolate:
-                compiled, size = self._compile_isolated(backend, spec)
-            else:
-                compiled = self._compile_in_thread(backend, spec)
-                size = compiled.memory_size_bytes
+            try:
+                compiled, size = self._compile_backend(backend_for(spec), spec)
+            except GrammarCompileError:
+                if fallback_for(spec) is None:
+                    raise
+                compiled, size = self._compile_backend(fallback_for(spec), spec)
             if size <= self.cache_bytes:
                 self._cache[key] = (compiled, size)
                 self._cached_bytes += size
@@ -838,6 +873,13 @@ class GrammarCompiler:
                 if evicted:
                     _trim_heap()
             return compiled
+
+    def _compile_backend(self, backend: str, spec: GrammarSpec):
+        """(compiled grammar, its size for the cache) with ``backend``; raises as :meth:`compile`."""
+        if self.isolate:
+            return self._compile_isolated(backend, spec)
+        compiled = self._compile_in_thread(backend, spec)
+        return compiled, compiled.memory_size_bytes
 
     def _compile_in_thread(self, backend: str, spec: GrammarSpec):
         if backend == "llguidance":
@@ -861,8 +903,12 @@ class GrammarCompiler:
         return XGrammarMatcher(compiled)
 
     def backend_of(self, spec: GrammarSpec) -> str:
-        """Which backend serves ``spec`` ("xgrammar" or "llguidance"); raises as :meth:`compile`."""
-        return backend_for(_check(spec))
+        """Which backend serves ``spec`` ("xgrammar" or "llguidance"; compiles it where a fallback
+        may apply, :func:`fallback_for`); raises as :meth:`compile`."""
+        spec = _check(spec)
+        if fallback_for(spec) is None:
+            return backend_for(spec)
+        return "llguidance" if isinstance(self.compile(spec), LLGuidanceGrammar) else "xgrammar"
 
     def apply_bitmask(self, logits: torch.Tensor, matchers: list) -> None:
         """Mask, in place, the tokens each row's matcher forbids (rows without a matcher untouched).

@@ -1,0 +1,672 @@
+"""Soundness and completeness of the schema grammars on real schemas.
+
+    python -m bench.grammar_soundness jsonschemabench [--subsets ...] [--limit N] [--checkpoint F]
+
+For every JSONSchemaBench schema, through the server's path (``GrammarCompiler.compile``: the
+backend ``replicas.grammar.backend_for`` picks, its fallback, or a refusal):
+
+- valid instances: drawn with ``hypothesis-jsonschema`` (where it applies) and kept only if
+  ``jsonschema`` (with its format checker) says they are valid; each must be accepted by the
+  grammar (completeness) in one of the layouts below;
+- invalid instances: mutations of the valid ones (a required key dropped, a value of the wrong
+  type, a number out of range, an extra property, a string too long / too short, an enum value
+  changed, an item added / dropped, ...), kept only if ``jsonschema`` says they are invalid; each
+  must be rejected by the grammar in every layout (soundness);
+- grammar samples: texts the grammar itself produces (a seeded random walk over its token mask
+  until EOS); each must parse and validate (soundness, without needing a generator).
+
+A text is the JSON the model would write, tokenized with the embedded model's tokenizer and fed
+token by token, then EOS. Layouts: keys in the schema's property order (the grammar writes
+declared properties in that order) with the separators the grammar allows (``", "``, ``": "``),
+the same compact, and the instance's own key order; floats also written without an exponent.
+
+Each schema runs in one worker process (one at a time: CPU is shared), bounded by ``--schema-s``
+seconds for generation and matching and ``--timeout-s`` for each compile; per-schema records go
+to a checkpoint (JSONL) so a stopped run resumes where it was. ``--before-ref`` (a git ref) also
+checks the same instances with the backend that ref's rule picks, where it differs (the counts
+before a routing change, measured in the same run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import math
+import multiprocessing as mp
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+
+from bench.grammar_coverage import JSONSCHEMABENCH_DIR, _before_check
+
+N_VALID, N_INVALID, N_SAMPLES = 4, 8, 2
+
+
+# ---------------------------------------------------------------------------------- instances
+def _hypothesis_jsonschema_compat() -> None:
+    """hypothesis-jsonschema 0.23.1 calls ``many.more()``, which hypothesis >= 6.15x replaced by
+    ``with many(...) as e: for _ in e:``; give its module a ``many`` with ``more()`` on top."""
+    import hypothesis.internal.conjecture.utils as cu
+    import hypothesis_jsonschema._from_schema as fs
+    if hasattr(cu.many, "more") or getattr(fs, "_compat", False):
+        return
+
+    class _Many:
+        def __init__(self, data, **kw):
+            self._m = cu.many(data, **kw)
+            self._m.__enter__()
+            self._it = iter(self._m)
+
+        def more(self) -> bool:
+            if next(self._it, StopIteration) is StopIteration:
+                self._m.__exit__(None, None, None)
+                return False
+            return True
+
+        def reject(self, why=None):
+            self._m.reject(why)
+
+    class _CU:
+        def __getattr__(self, name):
+            return _Many if name == "many" else getattr(cu, name)
+    fs.cu, fs._compat = _CU(), True
+
+
+def validator(schema):
+    """A ``jsonschema`` validator for ``schema`` (its ``$schema`` draft, else 2020-12) that checks
+    formats."""
+    import jsonschema
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+def is_valid(v, instance) -> bool | None:
+    """Whether ``instance`` validates; None where the validator itself fails (a bad ``$ref``,
+    a pattern Python's ``re`` cannot compile, ...)."""
+    try:
+        return v.is_valid(instance)
+    except Exception:  # jsonschema raises many kinds on malformed schemas
+        return None
+
+
+_IMPLIED = {"object": ("properties", "required", "additionalProperties", "patternProperties", "minProperties",
+                       "maxProperties"),
+            "array": ("items", "prefixItems", "minItems", "maxItems", "additionalItems"),
+            "string": ("minLength", "maxLength", "pattern", "format"),
+            "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")}
+
+
+def typed(schema):
+    """A copy of ``schema`` where a node without ``type`` whose keywords all belong to one type
+    (``properties`` -> object, ``maxLength`` -> string, ...) gets that type: the instances drawn
+    from it are the ones the schema is written for (both backends narrow such a node to that type;
+    other values, e.g. ``null`` for ``{"properties": ...}``, are valid by the letter and rejected
+    by xgrammar, a restriction counted apart from this benchmark)."""
+    import copy
+
+    from replicas.grammar import _walk
+    schema = copy.deepcopy(schema)
+    for node, _ in _walk(schema):
+        if "type" in node or "enum" in node or "const" in node:
+            continue
+        kinds = [t for t, kws in _IMPLIED.items() if any(k in node for k in kws)]
+        if len(kinds) == 1:
+            node["type"] = kinds[0]
+    return schema
+
+
+def valid_instances(schema, n: int, seed: int = 0) -> tuple[list, str]:
+    """Up to ``n`` distinct instances of ``schema`` drawn by hypothesis-jsonschema, and "" or why
+    it does not apply (it raised on the schema, or drew nothing)."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis_jsonschema import from_schema
+    _hypothesis_jsonschema_compat()
+    out, seen = [], set()
+    try:
+        strategy = from_schema(schema)
+
+        @settings(max_examples=n * 3, database=None, deadline=None, phases=[Phase.generate],
+                  suppress_health_check=list(HealthCheck), derandomize=True)
+        @given(strategy)
+        def draw(x):
+            key = json.dumps(x, sort_keys=True)
+            if key not in seen and len(out) < n:
+                seen.add(key)
+                out.append(x)
+        draw()
+    except _Timeout:
+        raise
+    except Exception as e:  # InvalidArgument, Unsatisfiable, RecursionError, its own bugs
+        if not out:
+            return [], f"{type(e).__name__}: {str(e)[:120]}"
+    return out, "" if out else "drew nothing"
+
+
+def _paths(x, path=()):
+    yield path, x
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from _paths(v, path + (k,))
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            yield from _paths(v, path + (i,))
+
+
+def _replace(x, path, new):
+    if not path:
+        return new
+    import copy
+    x = copy.deepcopy(x)
+    parent = x
+    for p in path[:-1]:
+        parent = parent[p]
+    if new is _DROP:
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = new
+    return x
+
+
+_DROP = object()
+
+
+def mutations(x) -> list:
+    """Candidate invalid instances made from ``x`` (most will be checked invalid by jsonschema
+    before use): at every node, a key dropped / an extra key / an item dropped or repeated / a
+    value of another type / a number moved out of range or off its multiple / a string made
+    longer, shorter, or another enum-like value."""
+    out = []
+    for path, v in _paths(x):
+        if path:
+            out.append(_replace(x, path, _DROP))
+        if isinstance(v, dict):
+            out.append(_replace(x, path, {**v, "zz_extra": 1}))
+            out.append(_replace(x, path, []))
+        elif isinstance(v, list):
+            out += [_replace(x, path, v + v[-1:]), _replace(x, path, v + [None]), _replace(x, path, {})]
+            out += [_replace(x, path, v + v)] if v else []
+        elif isinstance(v, bool) or v is None:
+            out += [_replace(x, path, 0), _replace(x, path, "x")]
+        elif isinstance(v, (int, float)):
+            out += [_replace(x, path, w) for w in (str(v), v + 0.5, v * 10 + 10**6, -abs(v) - 10**6, v + 1, v - 1)]
+        elif isinstance(v, str):
+            out += [_replace(x, path, w) for w in (len(v), v + "_x", v + "x" * 300, v[:-1], "", v[:1].upper() + v[1:],
+                                                   " " + v, v + "\n")]
+    return out
+
+
+def invalid_instances(v, valids: list, n: int, rng: random.Random) -> list:
+    """Up to ``n`` distinct mutations of ``valids`` that ``v`` says are invalid."""
+    cands = [m for x in valids for m in mutations(x)]
+    rng.shuffle(cands)
+    out, seen = [], set()
+    for m in cands:
+        key = json.dumps(m, sort_keys=True)
+        if key in seen:
+            continue
+        seen.add(key)
+        if is_valid(v, m) is False:
+            out.append(m)
+            if len(out) >= n:
+                break
+    return out
+
+
+# ---------------------------------------------------------------------------------- layouts
+def _resolve(root, ref: str):
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return None
+    node = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        try:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        except (KeyError, IndexError, ValueError, TypeError):
+            return None
+    return node
+
+
+def _expand(nodes, root):
+    """``nodes`` and every schema they stand for at the same instance ($ref, allOf / anyOf /
+    oneOf members, if / then / else)."""
+    out, stack, seen = [], list(nodes), set()
+    while stack:
+        n = stack.pop(0)
+        if not isinstance(n, dict) or id(n) in seen:
+            continue
+        seen.add(id(n))
+        out.append(n)
+        if isinstance(n.get("$ref"), str):
+            stack.append(_resolve(root, n["$ref"]))
+        for k in ("allOf", "anyOf", "oneOf"):
+            if isinstance(n.get(k), list):
+                stack.extend(n[k])
+        stack.extend(n.get(k) for k in ("then", "else"))
+    return out
+
+
+def schema_order(x, schema, root=None):
+    """``x`` with each object's keys in the order its schema declares them (declared first, in
+    ``properties`` order across the schemas that apply, then the others as they were): the order
+    the grammars write properties in."""
+    import re
+    root = schema if root is None else root
+    nodes = _expand([schema], root)
+    if isinstance(x, dict):
+        order = []
+        for n in nodes:
+            props = n.get("properties")
+            if isinstance(props, dict):
+                order += [k for k in props if k in x and k not in order]
+        order += [k for k in x if k not in order]
+        out = {}
+        for k in order:
+            subs = [n["properties"][k] for n in nodes if isinstance(n.get("properties"), dict) and k in n["properties"]]
+            for n in nodes:
+                for p, s in (n.get("patternProperties") or {}).items() if isinstance(n.get("patternProperties"), dict) else ():
+                    try:
+                        if re.search(p, k):
+                            subs.append(s)
+                    except re.error:
+                        pass
+                if not subs and isinstance(n.get("additionalProperties"), dict):
+                    subs.append(n["additionalProperties"])
+            out[k] = schema_order(x[k], {"anyOf": subs} if subs else {}, root)
+        return out
+    if isinstance(x, list):
+        items = []
+        for i, v in enumerate(x):
+            subs = []
+            for n in nodes:
+                prefix = n.get("prefixItems") or (n.get("items") if isinstance(n.get("items"), list) else None)
+                if isinstance(prefix, list) and i < len(prefix):
+                    subs.append(prefix[i])
+                elif isinstance(n.get("items"), dict):
+                    subs.append(n["items"])
+                elif isinstance(n.get("additionalItems"), dict):
+                    subs.append(n["additionalItems"])
+            items.append(schema_order(v, {"anyOf": subs} if subs else {}, root))
+        return items
+    return x
+
+
+def _plain_floats(x):
+    """``x`` with floats that Python writes with an exponent replaced by their plain decimal
+    (as a string marker, replaced after dumping)."""
+    if isinstance(x, float) and math.isfinite(x) and "e" in repr(x):
+        from decimal import Decimal
+        return _Raw(format(Decimal(repr(x)), "f"))
+    if isinstance(x, dict):
+        return {k: _plain_floats(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_plain_floats(v) for v in x]
+    return x
+
+
+class _Raw(str):
+    pass
+
+
+def _dumps(x, compact: bool) -> str:
+    seps = (",", ":") if compact else (", ", ": ")
+    raws = []
+
+    def default(o):
+        raise TypeError(o)
+
+    def mark(v):
+        if isinstance(v, _Raw):
+            raws.append(str(v))
+            return f"\x00{len(raws) - 1}\x00"
+        if isinstance(v, dict):
+            return {k: mark(w) for k, w in v.items()}
+        if isinstance(v, list):
+            return [mark(w) for w in v]
+        return v
+    text = json.dumps(mark(x), ensure_ascii=False, separators=seps, allow_nan=False, default=default)
+    for i, r in enumerate(raws):
+        text = text.replace(f'"\\u0000{i}\\u0000"', r)
+    return text
+
+
+def layouts(x, schema) -> list[str]:
+    """The texts tried for instance ``x`` (distinct; see the module docstring)."""
+    ordered = schema_order(x, schema)
+    texts = []
+    for y in (ordered, x):
+        for compact in (False, True):
+            texts.append(_dumps(y, compact))
+        plain = _plain_floats(y)
+        if plain != y:
+            texts.append(_dumps(plain, False))
+    return list(dict.fromkeys(texts))
+
+
+# ---------------------------------------------------------------------------------- the grammar
+class Grammar:
+    """One schema's grammar as the server compiles it (or, with ``backend``, with that backend):
+    ``accepts(text)`` feeds the text's tokens then EOS to a fresh matcher; ``sample(rng)`` walks
+    the token mask at random until EOS."""
+
+    def __init__(self, compiler, tok, schema, backend: str | None = None):
+        from replicas.grammar import GrammarSpec, LLGuidanceGrammar, LLGuidanceMatcher, XGrammarMatcher, _check
+        self.compiler, self.tok = compiler, tok
+        self.spec = _check(GrammarSpec("json_schema", schema))
+        compiled = compiler.compile(self.spec) if backend is None else compiler._compile_in_thread(backend, self.spec)
+        self.backend = "llguidance" if isinstance(compiled, LLGuidanceGrammar) else "xgrammar"
+        cls = LLGuidanceMatcher if self.backend == "llguidance" else XGrammarMatcher
+        self.new = lambda: cls(compiled)
+        self.eos = compiler.info.stop_token_ids[0]
+
+    def accepts(self, text: str) -> bool:
+        m = self.new()
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        return all(m.accept_token(t) for t in ids) and m.accept_token(self.eos)
+
+    def sample(self, rng: random.Random, max_tokens: int = 160) -> str | None:
+        """A text the grammar produces (None: no EOS within ``max_tokens``): at each step EOS if
+        allowed, else half the time a token with a closing character (``"``, ``}``, ``]``, ``,``)
+        and half the time any allowed token, uniformly."""
+        import torch
+        m, ids = self.new(), []
+        vocab = self.compiler.vocab_size
+        closing = _closing_tokens(self.tok, vocab)
+        for _ in range(max_tokens):
+            logits = torch.zeros(1, vocab)
+            self.compiler.apply_bitmask(logits, [m])
+            allowed = torch.nonzero(logits[0] > -math.inf).flatten().tolist()
+            if not allowed:
+                return None
+            if self.eos in allowed:
+                return self.tok.decode(ids)
+            close = [t for t in allowed if t in closing]
+            t = rng.choice(close if close and rng.random() < 0.5 else allowed)
+            if not m.accept_token(t):
+                return None
+            ids.append(t)
+        return None
+
+
+def _closing_tokens(tok, vocab: int, _cache={}) -> frozenset:
+    if vocab not in _cache:
+        _cache[vocab] = frozenset(i for i in range(min(vocab, len(tok)))
+                                  if any(c in tok.decode([i]) for c in '"}],'))
+    return _cache[vocab]
+
+
+def check_instances(g: Grammar, v, valids: list, invalids: list, schema) -> dict:
+    """Counts (and the first failing texts) for one grammar: valid instances rejected in every
+    layout, invalid instances accepted in some layout."""
+    r = {"valid": len(valids), "invalid": len(invalids), "valid_rejected": 0, "invalid_accepted": 0, "examples": []}
+    for x in valids:
+        if not any(g.accepts(t) for t in layouts(x, schema)):
+            r["valid_rejected"] += 1
+            r["examples"].append(["valid rejected", _dumps(schema_order(x, schema), False)[:300]])
+    for x in invalids:
+        hit = next((t for t in layouts(x, schema) if g.accepts(t)), None)
+        if hit is not None:
+            r["invalid_accepted"] += 1
+            r["examples"].append(["invalid accepted", hit[:300]])
+    return r
+
+
+def check_samples(g: Grammar, v, n: int, rng: random.Random) -> dict:
+    """``n`` grammar samples: how many ended, how many of those are not valid JSON or not valid."""
+    r = {"samples": 0, "samples_invalid": 0, "examples": []}
+    for _ in range(n):
+        text = g.sample(rng)
+        if text is None:
+            continue
+        r["samples"] += 1
+        try:
+            ok = is_valid(v, json.loads(text))
+        except ValueError:
+            ok = False
+        if ok is False:
+            r["samples_invalid"] += 1
+            r["examples"].append(["sample invalid", text[:300]])
+    return r
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _alarm(seconds: float):
+    def handler(*_):
+        raise _Timeout()
+    signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+
+
+def check_schema(compiler, tok, schema, seed: int = 0, n_valid: int = N_VALID, n_invalid: int = N_INVALID,
+                 n_samples: int = N_SAMPLES, before_backend: str | None = None, schema_s: float = 30.0) -> dict:
+    """One schema's record: ``status`` (served / refused / timeout), ``backend``, ``na`` (why
+    hypothesis-jsonschema does not apply, or ""), the counts of :func:`check_instances` and
+    :func:`check_samples`, and under ``before`` the instance counts with ``before_backend``
+    (where given and different). Generation and matching stop after ``schema_s`` seconds
+    (``status`` "bounded", counts so far kept)."""
+    from replicas.errors import GrammarCompileError
+    rec = {"status": "served", "backend": None, "na": "", "valid": 0, "invalid": 0, "valid_rejected": 0,
+           "invalid_accepted": 0, "samples": 0, "samples_invalid": 0, "examples": []}
+    if not isinstance(schema, (dict, bool)):
+        return {**rec, "status": "refused", "reason": "not a schema object"}
+    try:
+        g = Grammar(compiler, tok, schema)
+    except GrammarCompileError as e:
+        timeout = "did not compile within" in str(e)
+        return {**rec, "status": "timeout" if timeout else "refused", "reason": str(e)[:200]}
+    rec["backend"] = g.backend
+    rng = random.Random(seed)
+    v = validator(schema)
+    _alarm(schema_s)
+    try:
+        valids, rec["na"] = valid_instances(typed(schema), n_valid, seed)
+        kept = [x for x in valids if is_valid(v, x)]
+        rec["generated_not_valid"] = len(valids) - len(kept)
+        invalids = invalid_instances(v, kept, n_invalid, rng)
+        r = check_instances(g, v, kept, invalids, schema)
+        rec.update({k: r[k] for k in ("valid", "invalid", "valid_rejected", "invalid_accepted")})
+        rec["examples"] += r["examples"][:3]
+        s = check_samples(g, v, n_samples, rng)
+        rec.update({k: s[k] for k in ("samples", "samples_invalid")})
+        rec["examples"] += s["examples"][:2]
+        if before_backend and before_backend != g.backend:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            try:
+                gb = Grammar(compiler, tok, schema, backend=before_backend)
+                _alarm(schema_s)
+                b = check_instances(gb, v, kept, invalids, schema)
+                rec["before"] = {"backend": before_backend, **{k: b[k] for k in ("valid_rejected", "invalid_accepted")}}
+            except GrammarCompileError as e:
+                rec["before"] = {"backend": before_backend, "status": "refused", "reason": str(e)[:200]}
+    except _Timeout:
+        rec["status"] = "bounded"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    return rec
+
+
+# ---------------------------------------------------------------------------------- the run
+def _compiler(timeout_s: float):
+    from bench.grammar_coverage import _compiler
+    return _compiler(timeout_s)
+
+
+def _worker(path: str, start: int, args: dict, conn) -> None:
+    from replicas.errors import GrammarCompileError  # noqa: F401  (imported before the first schema)
+    from replicas.grammar import GrammarSpec, _check, backend_for
+    before = _before_check(args["before_ref"]) if args["before_ref"] else None
+    tok, compiler = _compiler(args["timeout_s"])
+    with gzip.open(path, "rt") as f:
+        rows = [json.loads(line) for line in f]
+    for i in range(start, min(len(rows), args["limit"] or len(rows))):
+        schema = rows[i].get("json_schema", rows[i].get("schema", rows[i]))
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError:
+                pass
+        before_backend = None
+        if before is not None and isinstance(schema, dict):
+            try:
+                _check(GrammarSpec("json_schema", schema))
+                before_backend = "llguidance" if before(schema) else "xgrammar"
+            except Exception:
+                before_backend = None
+        t0 = time.perf_counter()
+        rec = check_schema(compiler, tok, schema, seed=i, n_valid=args["valid"], n_invalid=args["invalid"],
+                           n_samples=args["samples"], before_backend=before_backend, schema_s=args["schema_s"])
+        rec["seconds"] = round(time.perf_counter() - t0, 2)
+        conn.send((i, rec))
+        if rec["status"] == "timeout":
+            return   # xgrammar's compile thread cannot be stopped: a fresh worker goes on
+    conn.send(None)
+
+
+def run(subsets: list[str] | None, checkpoint: Path, args: dict) -> None:
+    """Check every schema of the chosen subsets not yet in ``checkpoint`` (one JSON record per
+    line: subset, index, :func:`check_schema`'s record), one worker process at a time; a worker
+    that dies or hangs costs its schema (status "crashed") and a fresh worker goes on."""
+    done = set()
+    if checkpoint.is_file():
+        for line in checkpoint.read_text().splitlines():
+            r = json.loads(line)
+            done.add((r["subset"], r["i"]))
+    ctx = mp.get_context("spawn")
+    out = checkpoint.open("a")
+    paths = {p.name.split(".")[0]: p for p in sorted(JSONSCHEMABENCH_DIR.glob("*.jsonl.gz"))}
+    for name in subsets or list(paths):   # in the order given
+        path = paths[name]
+        with gzip.open(path, "rt") as f:
+            total = sum(1 for _ in f)
+        total = min(total, args["limit"]) if args["limit"] else total
+        start = 0
+        while start < total:
+            while start < total and (name, start) in done:
+                start += 1
+            if start >= total:
+                break
+            parent, child = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_worker, args=(str(path), start, args, child), daemon=True)
+            proc.start()
+            child.close()
+            first = True
+            while True:
+                wait = args["schema_s"] * 2 + args["timeout_s"] * 2 + (120 if first else 30)
+                try:
+                    msg = parent.recv() if parent.poll(wait) else "hung"
+                except EOFError:
+                    msg = "crashed"
+                first = False
+                if msg is None:
+                    start = total
+                    break
+                if msg in ("crashed", "hung"):
+                    rec = {"subset": name, "i": start, "status": "crashed", "reason": msg}
+                    out.write(json.dumps(rec) + "\n")
+                    out.flush()
+                    start += 1
+                    break
+                i, rec = msg
+                out.write(json.dumps({"subset": name, "i": i, **rec}) + "\n")
+                out.flush()
+                done.add((name, i))
+                start = i + 1
+                if rec["status"] == "timeout":
+                    break
+            proc.kill()
+            proc.join()
+            print(f"{name}: {start} / {total}", file=sys.stderr, flush=True)
+    out.close()
+
+
+def summarize(checkpoint: Path) -> dict:
+    """Per subset counts from the checkpoint, and a few examples of each failure kind."""
+    keys = ("schemas", "served", "refused", "timeout", "crashed", "bounded", "xgrammar", "llguidance", "na",
+            "valid", "invalid", "valid_rejected", "invalid_accepted", "samples", "samples_invalid",
+            "schemas_valid_rejected", "schemas_invalid_accepted", "moved", "before_valid_rejected",
+            "before_invalid_accepted", "before_refused")
+    per = collections.defaultdict(lambda: dict.fromkeys(keys, 0))
+    examples = collections.defaultdict(list)
+    for line in checkpoint.read_text().splitlines():
+        r = json.loads(line)
+        c = per[r["subset"]]
+        c["schemas"] += 1
+        st = r["status"]
+        c[st] += 1
+        if st not in ("served", "bounded"):
+            continue
+        c["served"] += st == "bounded"
+        c[r["backend"]] += 1
+        c["na"] += bool(r["na"])
+        for k in ("valid", "invalid", "valid_rejected", "invalid_accepted", "samples", "samples_invalid"):
+            c[k] += r[k]
+        c["schemas_valid_rejected"] += r["valid_rejected"] > 0
+        c["schemas_invalid_accepted"] += r["invalid_accepted"] > 0 or r["samples_invalid"] > 0
+        b = r.get("before")
+        if b:
+            c["moved"] += 1
+            c["before_refused"] += b.get("status") == "refused"
+            c["before_valid_rejected"] += b.get("valid_rejected", 0)
+            c["before_invalid_accepted"] += b.get("invalid_accepted", 0)
+        for kind, text in r.get("examples", []):
+            if len(examples[kind]) < 12:
+                examples[kind].append({"subset": r["subset"], "i": r["i"], "backend": r["backend"], "text": text})
+    total = dict.fromkeys(keys, 0)
+    for c in per.values():
+        for k in keys:
+            total[k] += c[k]
+    return {"subsets": dict(sorted(per.items())), "total": total, "examples": dict(examples)}
+
+
+def table(summary: dict) -> str:
+    cols = [("schemas", "schemas"), ("served", "served"), ("xgrammar", "(xgrammar)"), ("llguidance", "(llguidance)"),
+            ("na", "h-j n/a"), ("valid", "valid tried"), ("invalid", "invalid tried"),
+            ("invalid_accepted", "invalid accepted"), ("valid_rejected", "valid rejected"),
+            ("samples", "grammar samples"), ("samples_invalid", "samples invalid"), ("bounded", "bounded"),
+            ("moved", "moved"), ("before_invalid_accepted", "before: invalid accepted"),
+            ("before_valid_rejected", "before: valid rejected")]
+    lines = ["| subset | " + " | ".join(h for _, h in cols) + " |", "|---|" + "---:|" * len(cols)]
+    for name, c in list(summary["subsets"].items()) + [("**total**", summary["total"])]:
+        lines.append(f"| {name} | " + " | ".join(f"{c[k]:,}" for k, _ in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.grammar_soundness", description=__doc__.split("\n\n")[0])
+    ap.add_argument("suite", choices=("jsonschemabench",))
+    ap.add_argument("--subsets", nargs="+")
+    ap.add_argument("--limit", type=int, help="schemas per subset (the first N)")
+    ap.add_argument("--checkpoint", type=Path, default=Path("grammar_soundness.ckpt.jsonl"))
+    ap.add_argument("--timeout-s", type=float, default=10.0, help="compile time bound")
+    ap.add_argument("--schema-s", type=float, default=20.0, help="generation + matching bound per schema")
+    ap.add_argument("--valid", type=int, default=N_VALID)
+    ap.add_argument("--invalid", type=int, default=N_INVALID)
+    ap.add_argument("--samples", type=int, default=N_SAMPLES)
+    ap.add_argument("--before-ref", default="main", help="also check with this git ref's backend choice ('' to skip)")
+    ap.add_argument("--summary-only", action="store_true", help="only summarize the checkpoint")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--markdown", type=Path)
+    a = ap.parse_args(argv)
+    if not a.summary_only:
+        run(a.subsets, a.checkpoint, {"timeout_s": a.timeout_s, "schema_s": a.schema_s, "valid": a.valid,
+                                      "invalid": a.invalid, "samples": a.samples, "limit": a.limit,
+                                      "before_ref": a.before_ref or None})
+    summary = summarize(a.checkpoint)
+    print(table(summary))
+    if a.json:
+        a.json.write_text(json.dumps(summary, indent=1) + "\n")
+    if a.markdown:
+        a.markdown.write_text(table(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
