@@ -439,10 +439,12 @@ class _Timeout(Exception):
 
 
 def _alarm(seconds: float):
+    """Raise :class:`_Timeout` after ``seconds``, and again every 0.5 s until the timer is
+    cleared (an exception raised inside a gc callback is dropped by Python)."""
     def handler(*_):
         raise _Timeout()
     signal.signal(signal.SIGALRM, handler)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    signal.setitimer(signal.ITIMER_REAL, seconds, 0.5)
 
 
 def check_schema(compiler, tok, schema, seed: int = 0, n_valid: int = N_VALID, n_invalid: int = N_INVALID,

@@ -65,7 +65,7 @@ _UNENFORCED = ("contains", "minContains", "maxContains", "not", "if", "then", "e
                # patternProperties keys went in untyped or not at all)
                "multipleOf", "dependentRequired", "dependencies", "patternProperties")
 # Formats xgrammar 0.2.9 checks only by shape: "2020-02-31" passed format date (and date-time).
-_XGR_LOOSE_FORMATS = ("date", "date-time")
+_XGR_LOOSE_FORMATS = ("date", "date-time", "time")   # time: "23:59:60Z" accepted
 _LOOKAROUND = re.compile(r"\(\?<?[=!]")
 _NOT_SCHEMAS = ("const", "enum", "default", "examples", "description", "title", "$comment")
 _NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
@@ -136,6 +136,8 @@ def incomplete_keywords(schema: Any) -> list[str]:
     for node, where in _walk(schema):
         if isinstance(node.get("pattern"), str) and not _anchored_whole(node["pattern"]):
             found.append(f"pattern not anchored at both ends at {where}")
+        if node.get("format") == "uri-reference":
+            found.append(f"format uri-reference at {where}")
         if ("maxLength" in node or node.get("minLength", 0) not in (0, None)) and node.get("type") in (None, "string") \
                 or isinstance(node.get("type"), list) and "string" in node["type"] and "maxLength" in node:
             found.append(f"string length bound at {where}")
@@ -316,8 +318,32 @@ _DEFINED_FORMATS = {"date-time", "date", "time", "duration", "email", "idn-email
                     "json-pointer", "relative-json-pointer", "regex", "color", "host-name", "ip-address"}
 
 
+# Date and time formats as patterns, exact to RFC 3339 as `jsonschema`'s format checker reads it
+# (no year 0, days per month with leap years, no leap second, a `Z` / `z` or +hh:mm offset):
+# llguidance 1.9's own date-time and time accepted second 60 at any minute ("11:14:60Z").
+_YEAR = "([1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
+_LEAP = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
+_DATE = (f"({_YEAR}-(0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|{_YEAR}-(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+         f"|{_YEAR}-02-(0[1-9]|1[0-9]|2[0-8])|{_LEAP}-02-29)")
+_TIME = "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]+)?([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+# RFC 3986 URI-reference (`jsonschema` checks it with rfc3986-validator's regex), without IP
+# literals in brackets (not accepted, so the pattern stays sound): llguidance 1.9 does not
+# implement the format and xgrammar 0.2.9's rejected "https://x.org/a".
+_PCT = "%[0-9A-Fa-f]{2}"
+_PCHAR = f"([A-Za-z0-9._~!$&'()*+,;=:@-]|{_PCT})"
+_QUERY = f"([A-Za-z0-9._~!$&'()*+,;=:@/?-]|{_PCT})*"
+_AUTHORITY = f"(([A-Za-z0-9._~!$&'()*+,;=:-]|{_PCT})*@)?([A-Za-z0-9._~!$&'()*+,;=-]|{_PCT})*(:[0-9]*)?"
+_HIER = f"//{_AUTHORITY}(/{_PCHAR}*)*|/({_PCHAR}+(/{_PCHAR}*)*)?"
+_URI = f"[A-Za-z][A-Za-z0-9+.-]*:({_HIER}|{_PCHAR}+(/{_PCHAR}*)*)?"
+_RELATIVE = f"({_HIER}|([A-Za-z0-9._~!$&'()*+,;=@-]|{_PCT})+(/{_PCHAR}*)*)?"
+_URI_REFERENCE = f"^({_URI}|{_RELATIVE})(\\?{_QUERY})?(#{_QUERY})?$"
+_FORMAT_PATTERNS = {"date": f"^{_DATE}$", "date-time": f"^{_DATE}[Tt]{_TIME}$", "time": f"^{_TIME}$",
+                    "uri-reference": _URI_REFERENCE}
+
+
 def _llguidance_schema(schema: Any, strict: bool) -> Any:
-    """A copy of ``schema`` for llguidance: custom (undefined) formats dropped; with ``strict``,
+    """A copy of ``schema`` for llguidance: custom (undefined) formats dropped, ``date`` /
+    ``date-time`` / ``time`` as exact patterns (:data:`_FORMAT_PATTERNS`); with ``strict``,
     no properties beyond those named (``additionalProperties: false`` where absent, except on
     direct ``allOf`` members, which other members may extend) and no items beyond
     ``prefixItems``, as xgrammar's strict mode."""
@@ -329,6 +355,8 @@ def _llguidance_schema(schema: Any, strict: bool) -> Any:
             in_allof.update(id(m) for m in node["allOf"])
         if isinstance(node.get("format"), str) and node["format"] not in _DEFINED_FORMATS:
             del node["format"]
+        if node.get("format") in _FORMAT_PATTERNS and "pattern" not in node:
+            node["pattern"] = _FORMAT_PATTERNS[node.pop("format")]
         _rewrite_dependencies(node)
         if strict and id(node) not in in_allof:
             if ("properties" in node or node.get("type") == "object") and "additionalProperties" not in node:
