@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import gzip
 import json
 import math
@@ -43,7 +44,7 @@ from pathlib import Path
 
 from bench.grammar_coverage import JSONSCHEMABENCH_DIR, _before_check
 
-N_VALID, N_INVALID, N_SAMPLES = 4, 8, 2
+N_VALID, N_INVALID, N_SAMPLES = 3, 6, 1
 
 
 # ---------------------------------------------------------------------------------- instances
@@ -129,7 +130,7 @@ def valid_instances(schema, n: int, seed: int = 0) -> tuple[list, str]:
     try:
         strategy = from_schema(schema)
 
-        @settings(max_examples=n * 3, database=None, deadline=None, phases=[Phase.generate],
+        @settings(max_examples=n + 2, database=None, deadline=None, phases=[Phase.generate],
                   suppress_health_check=list(HealthCheck), derandomize=True)
         @given(strategy)
         def draw(x):
@@ -501,66 +502,66 @@ def _compiler(timeout_s: float):
     return _compiler(timeout_s)
 
 
-def _worker(path: str, start: int, args: dict, conn) -> None:
-    from replicas.errors import GrammarCompileError  # noqa: F401  (imported before the first schema)
+def _worker(todo: list, args: dict, conn) -> None:
+    """Check the (subset, index) pairs of ``todo`` in order, sending (pair, record) for each."""
     from replicas.grammar import GrammarSpec, _check, backend_for
     before = _before_check(args["before_ref"]) if args["before_ref"] else None
     tok, compiler = _compiler(args["timeout_s"])
-    with gzip.open(path, "rt") as f:
-        rows = [json.loads(line) for line in f]
-    for i in range(start, min(len(rows), args["limit"] or len(rows))):
-        schema = rows[i].get("json_schema", rows[i].get("schema", rows[i]))
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except ValueError:
-                pass
-        before_backend = None
-        if before is not None and isinstance(schema, dict):
-            try:
-                _check(GrammarSpec("json_schema", schema))
+    for name, i in todo:
+        schema = _load(name)[i]
+        before_backend = first = None
+        if isinstance(schema, dict):
+            first = backend_for(_check(GrammarSpec("json_schema", schema)))
+            if before is not None:
                 before_backend = "llguidance" if before(schema) else "xgrammar"
-            except Exception:
-                before_backend = None
         t0 = time.perf_counter()
         rec = check_schema(compiler, tok, schema, seed=i, n_valid=args["valid"], n_invalid=args["invalid"],
                            n_samples=args["samples"], before_backend=before_backend, schema_s=args["schema_s"])
         rec["seconds"] = round(time.perf_counter() - t0, 2)
-        conn.send((i, rec))
+        rec["schema_backend_for"] = first
+        conn.send(((name, i), rec))
         if rec["status"] == "timeout":
             return   # xgrammar's compile thread cannot be stopped: a fresh worker goes on
     conn.send(None)
 
 
+def order(subsets: list[str], limit: int | None, seed: int = 0) -> list:
+    """Every (subset, index) to check: each subset in a seeded random order, the subsets
+    interleaved so that each is the same fraction done at any time (a stopped run has checked a
+    uniform random sample of every subset)."""
+    keyed = []
+    for name in subsets:
+        n = len(_load(name))
+        n = min(n, limit) if limit else n
+        perm = list(range(n))
+        random.Random(f"{seed}:{name}").shuffle(perm)
+        keyed += [((rank + 0.5) / n, name, i) for rank, i in enumerate(perm)]
+    return [(name, i) for _, name, i in sorted(keyed)]
+
+
 def run(subsets: list[str] | None, checkpoint: Path, args: dict) -> None:
     """Check every schema of the chosen subsets not yet in ``checkpoint`` (one JSON record per
-    line: subset, index, :func:`check_schema`'s record), one worker process at a time; a worker
-    that dies or hangs costs its schema (status "crashed") and a fresh worker goes on."""
+    line: subset, index, :func:`check_schema`'s record) in :func:`order`, one worker process at
+    a time; a worker that dies or hangs costs its schema (status "crashed") and a fresh worker
+    goes on."""
     done = set()
     if checkpoint.is_file():
         for line in checkpoint.read_text().splitlines():
             r = json.loads(line)
             done.add((r["subset"], r["i"]))
+        if args.get("recheck_moved"):
+            done -= _moved(checkpoint)
+    names = subsets or sorted(p.name.split(".")[0] for p in JSONSCHEMABENCH_DIR.glob("*.jsonl.gz"))
+    todo = [p for p in order(names, args["limit"]) if p not in done]
     ctx = mp.get_context("spawn")
-    out = checkpoint.open("a")
-    paths = {p.name.split(".")[0]: p for p in sorted(JSONSCHEMABENCH_DIR.glob("*.jsonl.gz"))}
-    for name in subsets or list(paths):   # in the order given
-        path = paths[name]
-        with gzip.open(path, "rt") as f:
-            total = sum(1 for _ in f)
-        total = min(total, args["limit"]) if args["limit"] else total
-        start = 0
-        while start < total:
-            while start < total and (name, start) in done:
-                start += 1
-            if start >= total:
-                break
+    with checkpoint.open("a") as out:
+        while todo:
             parent, child = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_worker, args=(str(path), start, args, child), daemon=True)
+            proc = ctx.Process(target=_worker, args=(todo, args, child), daemon=True)
             proc.start()
             child.close()
             first = True
-            while True:
+            while todo:
                 wait = args["schema_s"] * 2 + args["timeout_s"] * 2 + (120 if first else 30)
                 try:
                     msg = parent.recv() if parent.poll(wait) else "hung"
@@ -568,25 +569,56 @@ def run(subsets: list[str] | None, checkpoint: Path, args: dict) -> None:
                     msg = "crashed"
                 first = False
                 if msg is None:
-                    start = total
+                    todo = []
                     break
-                if msg in ("crashed", "hung"):
-                    rec = {"subset": name, "i": start, "status": "crashed", "reason": msg}
-                    out.write(json.dumps(rec) + "\n")
+                if msg in ("crashed", "hung"):   # on the first pair not reported
+                    (name, i), todo = todo[0], todo[1:]
+                    out.write(json.dumps({"subset": name, "i": i, "status": "crashed", "reason": msg}) + "\n")
                     out.flush()
-                    start += 1
                     break
-                i, rec = msg
+                (name, i), rec = msg
+                assert (name, i) == todo[0]
+                todo = todo[1:]
                 out.write(json.dumps({"subset": name, "i": i, **rec}) + "\n")
                 out.flush()
-                done.add((name, i))
-                start = i + 1
                 if rec["status"] == "timeout":
                     break
             proc.kill()
             proc.join()
-            print(f"{name}: {start} / {total}", file=sys.stderr, flush=True)
-    out.close()
+            print(f"{len(todo)} left", file=sys.stderr, flush=True)
+
+
+def _moved(checkpoint: Path) -> set:
+    """(subset, index) of the served records whose backend this code's routing no longer picks
+    first (a routing change after they ran); the last record of a schema counts."""
+    from replicas.grammar import GrammarSpec, _check, backend_for
+    last = {}
+    for line in checkpoint.read_text().splitlines():
+        r = json.loads(line)
+        last[(r["subset"], r["i"])] = r
+    moved = set()
+    for key, r in last.items():
+        if r["status"] in ("served", "bounded") and r.get("schema_backend_for"):
+            schema = _load(key[0])[key[1]]
+            if backend_for(_check(GrammarSpec("json_schema", schema))) != r["schema_backend_for"]:
+                moved.add(key)
+    return moved
+
+
+@functools.lru_cache(maxsize=None)
+def _load(subset: str) -> list:
+    with gzip.open(JSONSCHEMABENCH_DIR / f"{subset}.jsonl.gz", "rt") as f:
+        rows = [json.loads(line) for line in f]
+    out = []
+    for row in rows:
+        schema = row.get("json_schema", row.get("schema", row))
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError:
+                pass
+        out.append(schema)
+    return out
 
 
 def summarize(checkpoint: Path) -> dict:
@@ -597,8 +629,11 @@ def summarize(checkpoint: Path) -> dict:
             "before_invalid_accepted", "before_refused")
     per = collections.defaultdict(lambda: dict.fromkeys(keys, 0))
     examples = collections.defaultdict(list)
+    last = {}
     for line in checkpoint.read_text().splitlines():
         r = json.loads(line)
+        last[(r["subset"], r["i"])] = r   # a recheck's record replaces the earlier one
+    for r in last.values():
         c = per[r["subset"]]
         c["schemas"] += 1
         st = r["status"]
@@ -648,19 +683,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, help="schemas per subset (the first N)")
     ap.add_argument("--checkpoint", type=Path, default=Path("grammar_soundness.ckpt.jsonl"))
     ap.add_argument("--timeout-s", type=float, default=10.0, help="compile time bound")
-    ap.add_argument("--schema-s", type=float, default=20.0, help="generation + matching bound per schema")
+    ap.add_argument("--schema-s", type=float, default=10.0, help="generation + matching bound per schema")
     ap.add_argument("--valid", type=int, default=N_VALID)
     ap.add_argument("--invalid", type=int, default=N_INVALID)
     ap.add_argument("--samples", type=int, default=N_SAMPLES)
     ap.add_argument("--before-ref", default="main", help="also check with this git ref's backend choice ('' to skip)")
     ap.add_argument("--summary-only", action="store_true", help="only summarize the checkpoint")
+    ap.add_argument("--recheck-moved", action="store_true",
+                    help="run again the checkpoint's schemas whose backend this code picks differently")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", type=Path)
     a = ap.parse_args(argv)
     if not a.summary_only:
         run(a.subsets, a.checkpoint, {"timeout_s": a.timeout_s, "schema_s": a.schema_s, "valid": a.valid,
                                       "invalid": a.invalid, "samples": a.samples, "limit": a.limit,
-                                      "before_ref": a.before_ref or None})
+                                      "before_ref": a.before_ref or None, "recheck_moved": a.recheck_moved})
     summary = summarize(a.checkpoint)
     print(table(summary))
     if a.json:

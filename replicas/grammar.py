@@ -128,9 +128,11 @@ def _anchored_whole(pattern: str) -> bool:
 def incomplete_keywords(schema: Any) -> list[str]:
     """Places where xgrammar 0.2.9 would reject valid instances (sound, but not complete): a
     ``pattern`` not anchored at both ends (JSON Schema searches it, xgrammar matches it whole:
-    ``"^pkg:"`` rejected ``"pkg:x"``) and a string length bound (``minLength`` / ``maxLength``:
-    xgrammar then refuses every JSON escape, ``"a\\nb"`` for ``maxLength: 5``). llguidance 1.9
-    accepts both (measured, ``docs/grammar_backends.md``); such a schema goes to llguidance and
+    ``"^pkg:"`` rejected ``"pkg:x"``), a string length bound (``minLength`` / ``maxLength``:
+    xgrammar then refuses every JSON escape, ``"a\\nb"`` for ``maxLength: 5``), ``format:
+    uri-reference`` (``"https://x.org/a"`` rejected) and a ``number`` with a bound (at most 6
+    fractional digits: ``2.9294384834`` rejected for ``maximum: 360``). llguidance 1.9
+    accepts these (measured, ``docs/grammar_backends.md``); such a schema goes to llguidance and
     falls back to xgrammar where llguidance refuses it (:meth:`GrammarCompiler.compile`)."""
     found = []
     for node, where in _walk(schema):
@@ -138,6 +140,9 @@ def incomplete_keywords(schema: Any) -> list[str]:
             found.append(f"pattern not anchored at both ends at {where}")
         if node.get("format") == "uri-reference":
             found.append(f"format uri-reference at {where}")
+        types = node.get("type") if isinstance(node.get("type"), list) else [node.get("type")]
+        if "number" in types and any(k in node for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
+            found.append(f"number with a bound at {where}")
         if ("maxLength" in node or node.get("minLength", 0) not in (0, None)) and node.get("type") in (None, "string") \
                 or isinstance(node.get("type"), list) and "string" in node["type"] and "maxLength" in node:
             found.append(f"string length bound at {where}")

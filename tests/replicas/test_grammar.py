@@ -222,6 +222,8 @@ MOVED_FOR_COMPLETENESS = [
     ({"maxLength": 3}, "string length bound at $", '"a\\"b"', '"abcd"', False),   # xgrammar accepted "abcd"
     ({"type": "string", "format": "uri-reference"}, "format uri-reference at $", '"https://x.org/a?b#c"',
      '"a b"', True),
+    ({"type": "number", "minimum": -360, "maximum": 360}, "number with a bound at $", "2.9294384834", "360.0001",
+     True),
     ({"type": "string", "format": "time"}, "format time at $", '"10:00:00.5+01:00"', '"23:59:60Z"', False),
     # llguidance's own date-time took second 60 at any minute; the pattern rewrite closes it
     ({"type": "string", "format": "date-time"}, "format date-time at $", '"2020-02-29T10:00:00Z"',
