@@ -18,7 +18,10 @@ backend ``replicas.grammar.backend_for`` picks, its fallback, or a refusal):
 A text is the JSON the model would write, tokenized with the embedded model's tokenizer and fed
 token by token, then EOS. Layouts: keys in the schema's property order (the grammar writes
 declared properties in that order) with the separators the grammar allows (``", "``, ``": "``),
-the same compact, and the instance's own key order; floats also written without an exponent.
+the same compact, and the instance's own key order; floats also written without an exponent,
+U+007F also escaped; and, where those fail, keys in whatever order the matcher takes them
+(:meth:`Grammar.guided`, which writes the text in pieces: the same bytes, other token
+boundaries).
 
 Each schema runs in one worker process (one at a time: CPU is shared), bounded by ``--schema-s``
 seconds for generation and matching and ``--timeout-s`` for each compile; per-schema records go
@@ -346,6 +349,7 @@ def layouts(x, schema) -> list[str]:
         plain = _plain_floats(y)
         if plain != y:
             texts.append(_dumps(plain, False))
+    texts += [t.replace("\x7f", "\\u007f") for t in texts[:1] if "\x7f" in t]   # DEL escaped (llguidance)
     return list(dict.fromkeys(texts))
 
 
@@ -369,6 +373,71 @@ class Grammar:
         m = self.new()
         ids = self.tok(text, add_special_tokens=False)["input_ids"]
         return all(m.accept_token(t) for t in ids) and m.accept_token(self.eos)
+
+    def guided(self, x) -> bool:
+        """Whether the grammar accepts ``x`` written in some key order: each object's keys are
+        written one at a time, the first that the matcher accepts (with its whole value) next,
+        rolling back a key that fails (layout as :func:`layouts`' first; floats also plain)."""
+        m = self.new()
+        return self._value(m, x) is not None and m.accept_token(self.eos)
+
+    def _emit(self, m, text: str) -> int | None:
+        ids = self.tok(text, add_special_tokens=False)["input_ids"] if text else []
+        for k, t in enumerate(ids):
+            if not m.accept_token(t):
+                m.rollback(k)
+                return None
+        return len(ids)
+
+    def _value(self, m, x) -> int | None:
+        """Tokens accepted writing ``x`` (None: not accepted, state as before)."""
+        if isinstance(x, dict):
+            n = self._emit(m, "{")
+            keys = list(x)
+            while n is not None and keys:
+                for k in keys:
+                    key = json.dumps(k, ensure_ascii=False).replace("\x7f", "\\u007f")
+                    head = self._emit(m, (", " if len(keys) < len(x) else "") + key + ": ")
+                    if head is None:
+                        continue
+                    body = self._value(m, x[k])
+                    if body is None:
+                        m.rollback(head)
+                        continue
+                    n += head + body
+                    keys.remove(k)
+                    break
+                else:
+                    m.rollback(n)
+                    return None
+            return self._close(m, n, "}")
+        if isinstance(x, list):
+            n = self._emit(m, "[")
+            for j, v in enumerate(x):
+                if n is None:
+                    return None
+                sep = self._emit(m, ", " if j else "")
+                body = self._value(m, v) if sep is not None else None
+                if body is None:
+                    m.rollback(n + (sep or 0))
+                    return None
+                n += sep + body
+            return self._close(m, n, "]")
+        for text in dict.fromkeys((_dumps(x, False), _dumps(_plain_floats(x), False), _dumps(x, False).replace(
+                "\x7f", "\\u007f"))):
+            n = self._emit(m, text)
+            if n is not None:
+                return n
+        return None
+
+    def _close(self, m, n: int | None, char: str) -> int | None:
+        if n is None:
+            return None
+        c = self._emit(m, char)
+        if c is None:
+            m.rollback(n)
+            return None
+        return n + c
 
     def sample(self, rng: random.Random, max_tokens: int = 160) -> str | None:
         """A text the grammar produces (None: no EOS within ``max_tokens``): at each step EOS if
@@ -406,11 +475,14 @@ def check_instances(g: Grammar, v, valids: list, invalids: list, schema) -> dict
     layout, invalid instances accepted in some layout."""
     r = {"valid": len(valids), "invalid": len(invalids), "valid_rejected": 0, "invalid_accepted": 0, "examples": []}
     for x in valids:
-        if not any(g.accepts(t) for t in layouts(x, schema)):
+        if not any(g.accepts(t) for t in layouts(x, schema)) and not g.guided(x) \
+                and not g.guided(schema_order(x, schema)):
             r["valid_rejected"] += 1
             r["examples"].append(["valid rejected", _dumps(schema_order(x, schema), False)[:300]])
     for x in invalids:
         hit = next((t for t in layouts(x, schema) if g.accepts(t)), None)
+        if hit is None and (g.guided(x) or g.guided(schema_order(x, schema))):
+            hit = "(in another key order) " + _dumps(x, False)
         if hit is not None:
             r["invalid_accepted"] += 1
             r["examples"].append(["invalid accepted", hit[:300]])
@@ -562,7 +634,7 @@ def run(subsets: list[str] | None, checkpoint: Path, args: dict) -> None:
             child.close()
             first = True
             while todo:
-                wait = args["schema_s"] * 2 + args["timeout_s"] * 2 + (120 if first else 30)
+                wait = args["schema_s"] * 3 + args["timeout_s"] * 3 + (180 if first else 60)   # a loaded machine
                 try:
                     msg = parent.recv() if parent.poll(wait) else "hung"
                 except EOFError:

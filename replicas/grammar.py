@@ -125,19 +125,28 @@ def _anchored_whole(pattern: str) -> bool:
     return not any(pattern[i] == "|" for i, _ in _top_level_atoms(pattern))
 
 
+# A pattern that may match a character JSON writes escaped (a quote, a backslash, a control
+# character): any-character classes, negated classes, \s (newline, tab), a quote or backslash.
+_ESCAPABLE = re.compile(r'(?<!\\)\.|\\[SWDspPntrfvxuc0]|\[\^|"|\\\\')
+
+
 def incomplete_keywords(schema: Any) -> list[str]:
     """Places where xgrammar 0.2.9 would reject valid instances (sound, but not complete): a
     ``pattern`` not anchored at both ends (JSON Schema searches it, xgrammar matches it whole:
     ``"^pkg:"`` rejected ``"pkg:x"``), a string length bound (``minLength`` / ``maxLength``:
     xgrammar then refuses every JSON escape, ``"a\\nb"`` for ``maxLength: 5``), ``format:
     uri-reference`` (``"https://x.org/a"`` rejected) and a ``number`` with a bound (at most 6
-    fractional digits: ``2.9294384834`` rejected for ``maximum: 360``). llguidance 1.9
+    fractional digits: ``2.9294384834`` rejected for ``maximum: 360``), a pattern that may match
+    a character JSON escapes (xgrammar matches the pattern against the text written, so
+    ``"a\\"b"`` fails ``^[\\S]+$``). llguidance 1.9
     accepts these (measured, ``docs/grammar_backends.md``); such a schema goes to llguidance and
     falls back to xgrammar where llguidance refuses it (:meth:`GrammarCompiler.compile`)."""
     found = []
     for node, where in _walk(schema):
         if isinstance(node.get("pattern"), str) and not _anchored_whole(node["pattern"]):
             found.append(f"pattern not anchored at both ends at {where}")
+        elif isinstance(node.get("pattern"), str) and _ESCAPABLE.search(node["pattern"]):
+            found.append(f"pattern that may match a character JSON escapes at {where}")
         if node.get("format") == "uri-reference":
             found.append(f"format uri-reference at {where}")
         types = node.get("type") if isinstance(node.get("type"), list) else [node.get("type")]
