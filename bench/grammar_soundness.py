@@ -24,7 +24,7 @@ U+007F also escaped; and, where those fail, keys in whatever order the matcher t
 boundaries).
 
 Each schema runs in one worker process (one at a time: CPU is shared), bounded by ``--schema-s``
-seconds for generation and matching and ``--timeout-s`` for each compile; per-schema records go
+seconds of CPU time for generation and matching and ``--timeout-s`` for each compile; per-schema records go
 to a checkpoint (JSONL) so a stopped run resumes where it was. ``--before-ref`` (a git ref) also
 checks the same instances with the backend that ref's rule picks, where it differs (the counts
 before a routing change, measured in the same run).
@@ -512,12 +512,13 @@ class _Timeout(Exception):
 
 
 def _alarm(seconds: float):
-    """Raise :class:`_Timeout` after ``seconds``, and again every 0.5 s until the timer is
+    """Raise :class:`_Timeout` after ``seconds`` of this process's CPU time (not wall time: on a
+    shared machine a niced worker waits for the CPU), and again every 0.5 s until the timer is
     cleared (an exception raised inside a gc callback is dropped by Python)."""
     def handler(*_):
         raise _Timeout()
-    signal.signal(signal.SIGALRM, handler)
-    signal.setitimer(signal.ITIMER_REAL, seconds, 0.5)
+    signal.signal(signal.SIGPROF, handler)
+    signal.setitimer(signal.ITIMER_PROF, seconds, 0.5)
 
 
 def check_schema(compiler, tok, schema, seed: int = 0, n_valid: int = N_VALID, n_invalid: int = N_INVALID,
@@ -525,8 +526,8 @@ def check_schema(compiler, tok, schema, seed: int = 0, n_valid: int = N_VALID, n
     """One schema's record: ``status`` (served / refused / timeout), ``backend``, ``na`` (why
     hypothesis-jsonschema does not apply, or ""), the counts of :func:`check_instances` and
     :func:`check_samples`, and under ``before`` the instance counts with ``before_backend``
-    (where given and different). Generation and matching stop after ``schema_s`` seconds
-    (``status`` "bounded", counts so far kept)."""
+    (where given and different). Generation and matching stop after ``schema_s`` seconds of CPU
+    time (``status`` "bounded", counts so far kept)."""
     from replicas.errors import GrammarCompileError
     rec = {"status": "served", "backend": None, "na": "", "valid": 0, "invalid": 0, "valid_rejected": 0,
            "invalid_accepted": 0, "samples": 0, "samples_invalid": 0, "examples": []}
@@ -553,7 +554,7 @@ def check_schema(compiler, tok, schema, seed: int = 0, n_valid: int = N_VALID, n
         rec.update({k: s[k] for k in ("samples", "samples_invalid")})
         rec["examples"] += s["examples"][:2]
         if before_backend and before_backend != g.backend:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.setitimer(signal.ITIMER_PROF, 0)
             try:
                 gb = Grammar(compiler, tok, schema, backend=before_backend)
                 _alarm(schema_s)
@@ -564,7 +565,7 @@ def check_schema(compiler, tok, schema, seed: int = 0, n_valid: int = N_VALID, n
     except _Timeout:
         rec["status"] = "bounded"
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.setitimer(signal.ITIMER_PROF, 0)
     return rec
 
 
@@ -634,7 +635,7 @@ def run(subsets: list[str] | None, checkpoint: Path, args: dict) -> None:
             child.close()
             first = True
             while todo:
-                wait = args["schema_s"] * 3 + args["timeout_s"] * 3 + (180 if first else 60)   # a loaded machine
+                wait = max(300.0, args["schema_s"] * 10 + args["timeout_s"] * 3)   # wall time, a loaded machine
                 try:
                     msg = parent.recv() if parent.poll(wait) else "hung"
                 except EOFError:
