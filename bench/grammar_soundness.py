@@ -80,11 +80,22 @@ def _hypothesis_jsonschema_compat() -> None:
     fs.cu, fs._compat = _CU(), True
 
 
+def _ecma_pattern(validator, pattern, instance, schema):
+    """``pattern`` with ``\\w``, ``\\d``, ``\\b`` ASCII-only, as ECMA-262 (which JSON Schema names)
+    reads them; Python's ``re`` makes them Unicode-aware (``\\w`` matched ``"ŭ"``)."""
+    import re
+
+    from jsonschema.exceptions import ValidationError
+    if validator.is_type(instance, "string") and not re.search(pattern, instance, re.ASCII):
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
 def validator(schema):
     """A ``jsonschema`` validator for ``schema`` (its ``$schema`` draft, else 2020-12) that checks
-    formats."""
+    formats, with ECMA-262's ASCII ``\\w`` / ``\\d`` in ``pattern`` (:func:`_ecma_pattern`)."""
     import jsonschema
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    cls = jsonschema.validators.extend(cls, {"pattern": _ecma_pattern})
     return cls(schema, format_checker=cls.FORMAT_CHECKER)
 
 
