@@ -713,6 +713,7 @@ def summarize(checkpoint: Path) -> dict:
             "before_invalid_accepted", "before_refused")
     per = collections.defaultdict(lambda: dict.fromkeys(keys, 0))
     examples = collections.defaultdict(list)
+    by_fix = {}
     last = {}
     for line in checkpoint.read_text().splitlines():
         r = json.loads(line)
@@ -733,6 +734,16 @@ def summarize(checkpoint: Path) -> dict:
         c["schemas_invalid_accepted"] += r["invalid_accepted"] > 0 or r["samples_invalid"] > 0
         b = r.get("before")
         if b:
+            for reason in _move_reasons(r["subset"], r["i"]):
+                f = by_fix.setdefault(reason, dict.fromkeys(("schemas", "valid", "invalid", "before_valid_rejected",
+                                                             "before_invalid_accepted", "before_refused",
+                                                             "valid_rejected", "invalid_accepted"), 0))
+                f["schemas"] += 1
+                for k in ("valid", "invalid", "valid_rejected", "invalid_accepted"):
+                    f[k] += r[k]
+                f["before_refused"] += b.get("status") == "refused"
+                f["before_valid_rejected"] += b.get("valid_rejected", 0)
+                f["before_invalid_accepted"] += b.get("invalid_accepted", 0)
             c["moved"] += 1
             c["before_refused"] += b.get("status") == "refused"
             c["before_valid_rejected"] += b.get("valid_rejected", 0)
@@ -744,7 +755,28 @@ def summarize(checkpoint: Path) -> dict:
     for c in per.values():
         for k in keys:
             total[k] += c[k]
-    return {"subsets": dict(sorted(per.items())), "total": total, "examples": dict(examples)}
+    return {"subsets": dict(sorted(per.items())), "total": total, "by_fix": dict(sorted(by_fix.items())),
+            "examples": dict(examples)}
+
+
+def _move_reasons(subset: str, i: int) -> list[str]:
+    """The completeness classes (:func:`replicas.grammar.incomplete_keywords`) that moved a
+    schema from xgrammar to llguidance."""
+    import re
+
+    from replicas.grammar import incomplete_keywords
+    return sorted({re.sub(r" at \$.*", "", p) for p in incomplete_keywords(_load(subset)[i])})
+
+
+def fix_table(summary: dict) -> str:
+    """Schemas moved to llguidance by each completeness class (a schema may count under several):
+    the same instances with main's backend (before) and now (after)."""
+    lines = ["| moved for | schemas | valid tried | invalid tried | before: valid rejected | "
+             "before: invalid accepted | after: valid rejected | after: invalid accepted |", "|---|" + "---:|" * 7]
+    for reason, f in summary.get("by_fix", {}).items():
+        lines.append(f"| {reason} | {f['schemas']:,} | {f['valid']:,} | {f['invalid']:,} | {f['before_valid_rejected']:,} | "
+                     f"{f['before_invalid_accepted']:,} | {f['valid_rejected']:,} | {f['invalid_accepted']:,} |")
+    return "\n".join(lines) + "\n"
 
 
 def table(summary: dict) -> str:
@@ -784,10 +816,11 @@ def main(argv: list[str] | None = None) -> int:
                                       "before_ref": a.before_ref or None, "recheck_moved": a.recheck_moved})
     summary = summarize(a.checkpoint)
     print(table(summary))
+    print(fix_table(summary))
     if a.json:
         a.json.write_text(json.dumps(summary, indent=1) + "\n")
     if a.markdown:
-        a.markdown.write_text(table(summary))
+        a.markdown.write_text(table(summary) + "\n" + fix_table(summary))
     return 0
 
 

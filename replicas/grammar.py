@@ -133,14 +133,14 @@ _ESCAPABLE = re.compile(r'(?<!\\)\.|\\[SWDspPntrfvxuc0]|\[\^|"|\\\\')
 def incomplete_keywords(schema: Any) -> list[str]:
     """Places where xgrammar 0.2.9 would reject valid instances (sound, but not complete): a
     ``pattern`` not anchored at both ends (JSON Schema searches it, xgrammar matches it whole:
-    ``"^pkg:"`` rejected ``"pkg:x"``), a string length bound (``minLength`` / ``maxLength``:
-    xgrammar then refuses every JSON escape, ``"a\\nb"`` for ``maxLength: 5``), ``format:
-    uri-reference`` (``"https://x.org/a"`` rejected) and a ``number`` with a bound (at most 6
-    fractional digits: ``2.9294384834`` rejected for ``maximum: 360``), a pattern that may match
-    a character JSON escapes (xgrammar matches the pattern against the text written, so
-    ``"a\\"b"`` fails ``^[\\S]+$``). llguidance 1.9
-    accepts these (measured, ``docs/grammar_backends.md``); such a schema goes to llguidance and
-    falls back to xgrammar where llguidance refuses it (:meth:`GrammarCompiler.compile`)."""
+    ``"^pkg:"`` rejected ``"pkg:x"``); a pattern that may match a character JSON escapes
+    (xgrammar matches it against the escaped text: ``"a\\"b"`` failed ``^[\\S]+$``); a string
+    length bound (``minLength`` / ``maxLength``: every JSON escape refused, ``"a\\nb"`` for
+    ``maxLength: 5``); ``format: uri-reference`` (``"https://x.org/a"`` rejected); a ``number``
+    with a bound (at most 6 fractional digits: ``2.9294384834`` rejected for ``maximum: 360``).
+    llguidance 1.9 accepts these (measured, ``docs/grammar_backends.md``); such a schema goes to
+    llguidance and falls back to xgrammar where llguidance refuses it
+    (:meth:`GrammarCompiler.compile`)."""
     found = []
     for node, where in _walk(schema):
         if isinstance(node.get("pattern"), str) and not _anchored_whole(node["pattern"]):
@@ -152,8 +152,7 @@ def incomplete_keywords(schema: Any) -> list[str]:
         types = node.get("type") if isinstance(node.get("type"), list) else [node.get("type")]
         if "number" in types and any(k in node for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
             found.append(f"number with a bound at {where}")
-        if ("maxLength" in node or node.get("minLength", 0) not in (0, None)) and node.get("type") in (None, "string") \
-                or isinstance(node.get("type"), list) and "string" in node["type"] and "maxLength" in node:
+        if (None in types or "string" in types) and ("maxLength" in node or node.get("minLength") not in (None, 0)):
             found.append(f"string length bound at {where}")
     return found
 
@@ -272,10 +271,47 @@ def optional_group_starting_optional(pattern: str) -> bool:
     return False
 
 
+def optional_group_ending_repeated(pattern: str) -> bool:
+    """Whether ``pattern`` has a group that may be skipped once (``(...)?``) whose body, or one of
+    its alternatives, ends with an atom repeated without bound (``*``, ``+``, ``{n,}``). xgrammar
+    0.2.9 then accepts the body without its start: ``^(ab*)?c$`` accepted ``"bc"`` (seen in a
+    JSONSchemaBench pattern, ``^([ZB][1-9][0-9]*)?K[1-9][0-9]*$``: a grammar sample
+    ``"434602470600400302K144"`` broke it); ``(a[0-9]*b)?``, ``(ab{2})?``, ``(ab*)*`` were
+    right."""
+    stack = [pattern]
+    while stack:
+        p = stack.pop()
+        for i, j in _top_level_atoms(p):
+            if p[i] != "(":
+                continue
+            body = p[i + 1:j - 1]
+            if body.startswith("?:"):
+                body = body[2:]
+            elif body.startswith("?<") and body[2:3] not in ("=", "!"):
+                body = body[body.find(">") + 1:]
+            if p.startswith("?", j) or p.startswith("{0,1}", j):
+                alts, start = [], 0
+                for k, m in _top_level_atoms(body):
+                    if body[k] == "|":
+                        alts.append(body[start:k])
+                        start = m
+                alts.append(body[start:])
+                for alt in alts:
+                    atoms = list(_top_level_atoms(alt))
+                    # the last atom and its quantifier: "x*" -> atoms x, *
+                    if len(atoms) >= 2 and (alt[atoms[-1][0]] in "*+" or re.fullmatch(r"\{\d+,\}", alt[atoms[-1][0]:])
+                                            or alt.endswith(",}")):
+                        return True
+            stack.append(body)
+    return False
+
+
 def _dropped_constraints(node: dict, where: str) -> list[str]:
     found = []
     if isinstance(node.get("pattern"), str) and optional_group_starting_optional(node["pattern"]):
         found.append(f"pattern with an optional group that starts with an optional atom at {where}")
+    if isinstance(node.get("pattern"), str) and optional_group_ending_repeated(node["pattern"]):
+        found.append(f"pattern with an optional group that ends with a repeated atom at {where}")
     siblings = [k for k in _CONSTRAINTS if k in node]
     for comb in ("anyOf", "oneOf", "allOf", "$ref"):
         if comb in node and siblings:
@@ -357,7 +393,8 @@ _FORMAT_PATTERNS = {"date": f"^{_DATE}$", "date-time": f"^{_DATE}[Tt]{_TIME}$", 
 
 def _llguidance_schema(schema: Any, strict: bool) -> Any:
     """A copy of ``schema`` for llguidance: custom (undefined) formats dropped, ``date`` /
-    ``date-time`` / ``time`` as exact patterns (:data:`_FORMAT_PATTERNS`); with ``strict``,
+    ``date-time`` / ``time`` / ``uri-reference`` as exact patterns (:data:`_FORMAT_PATTERNS`,
+    where the node has no ``pattern``); with ``strict``,
     no properties beyond those named (``additionalProperties: false`` where absent, except on
     direct ``allOf`` members, which other members may extend) and no items beyond
     ``prefixItems``, as xgrammar's strict mode."""
@@ -436,7 +473,8 @@ def backend_for(spec: GrammarSpec) -> str:
         return "llguidance" if any(unenforced_keywords(p) for _, p in _tool_schemas(spec.value)) else "xgrammar"
     if spec.kind == "lark":
         return "llguidance"   # its native syntax (xgrammar's from_lark takes a subset)
-    if spec.kind == "regex" and (_LOOKAROUND.search(spec.value) or optional_group_starting_optional(spec.value)):
+    if spec.kind == "regex" and (_LOOKAROUND.search(spec.value) or optional_group_starting_optional(spec.value)
+                                 or optional_group_ending_repeated(spec.value)):
         return "llguidance"   # xgrammar ignores look-around and mis-compiles such groups; llguidance refuses look-around
     return "xgrammar"
 

@@ -171,6 +171,8 @@ MOVED_TO_LLGUIDANCE = [
     ({"type": "string", "enum": ["a", 1]}, "outside type string", '"a"', '1'),
     ({"type": "string", "pattern": "^v(?:\\s*\\+json)?$"}, "optional group that starts with an optional atom",
      '"v +json"', '"v "'),
+    ({"type": "string", "pattern": "^([ZB][1-9][0-9]*)?K[1-9][0-9]*$"}, "optional group that ends with a repeated atom",
+     '"Z1K1"', '"434602470600400302K144"'),   # a grammar sample of xgrammar's (bench.grammar_soundness)
     ({"type": "object", "properties": {"a": {}, "b": {}}, "dependentRequired": {"a": ["b"]}},
      "dependentRequired at $", '{"a": 1, "b": 2}', '{"a": 1}'),
     ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "properties": {"a": {}, "c": {}},
@@ -477,6 +479,12 @@ def test_optional_group_detector():
     assert f(r"^v(x*j)?$") and f(r"^(a|b*c)*$") and f(r"^(\d{0,3}x)?$") and f(r"^v(?:\s*\+(json))?$")
     assert not any(f(p) for p in (r"^v(ab)?$", r"^vx*j$", r"^v(x*j)$", r"^(\d{1,3}x)?$", r"^([(]x*)?$",
                                   r"^(?:[a-z\d][\w!#$&^.-]+)+$"))
+
+
+def test_optional_group_ending_repeated_detector():
+    from replicas.grammar import optional_group_ending_repeated as f
+    assert all(f(p) for p in (r"^(ab*)?c$", r"^([ZB][1-9][0-9]*)?K[1-9][0-9]*$", r"^(a|b[0-9]*)?K$", r"^(ab{2,})?c$"))
+    assert not any(f(p) for p in (r"^(a[0-9]*b)?c$", r"^(ab{2})?c$", r"^x(ab*)*c$", r"^(\d{1,3}x)?$", r"^(ab)?c$"))
 
 
 def test_pattern_optional_group_really_breaks_in_xgrammar(engine):
