@@ -90,12 +90,42 @@ def _ecma_pattern(validator, pattern, instance, schema):
         yield ValidationError(f"{instance!r} does not match {pattern!r}")
 
 
+def _ecma_pattern_properties(validator, patterns, instance, schema):
+    """``patternProperties`` with ECMA-262's ASCII classes, as :func:`_ecma_pattern`."""
+    import re
+    if not validator.is_type(instance, "object"):
+        return
+    for pattern, subschema in patterns.items():
+        for k, v in instance.items():
+            if re.search(pattern, k, re.ASCII):
+                yield from validator.descend(v, subschema, path=k, schema_path=pattern)
+
+
+def _decimal_multiple_of(validator, divisor, instance, schema):
+    """``multipleOf`` in decimal, as the JSON text reads (``4.35`` is 435 x ``0.01``; in binary
+    floating point, as ``jsonschema`` divides, it is not)."""
+    from decimal import Decimal, InvalidOperation
+
+    from jsonschema.exceptions import ValidationError
+    if not validator.is_type(instance, "number") or not validator.is_type(divisor, "number") or not divisor:
+        return
+    try:
+        q = Decimal(repr(instance)) / Decimal(repr(divisor))
+        ok = q == q.to_integral_value()
+    except (InvalidOperation, ValueError, OverflowError):
+        ok = True   # inf / nan: not JSON
+    if not ok:
+        yield ValidationError(f"{instance!r} is not a multiple of {divisor!r}")
+
+
 def validator(schema):
     """A ``jsonschema`` validator for ``schema`` (its ``$schema`` draft, else 2020-12) that checks
-    formats, with ECMA-262's ASCII ``\\w`` / ``\\d`` in ``pattern`` (:func:`_ecma_pattern`)."""
+    formats, with ECMA-262's ASCII ``\\w`` / ``\\d`` in ``pattern`` and ``patternProperties``
+    and a decimal ``multipleOf``."""
     import jsonschema
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    cls = jsonschema.validators.extend(cls, {"pattern": _ecma_pattern})
+    cls = jsonschema.validators.extend(cls, {"pattern": _ecma_pattern, "patternProperties": _ecma_pattern_properties,
+                                             "multipleOf": _decimal_multiple_of})
     return cls(schema, format_checker=cls.FORMAT_CHECKER)
 
 
@@ -385,12 +415,15 @@ class Grammar:
         ids = self.tok(text, add_special_tokens=False)["input_ids"]
         return all(m.accept_token(t) for t in ids) and m.accept_token(self.eos)
 
-    def guided(self, x) -> bool:
-        """Whether the grammar accepts ``x`` written in some key order: each object's keys are
-        written one at a time, the first that the matcher accepts (with its whole value) next,
-        rolling back a key that fails (layout as :func:`layouts`' first; floats also plain)."""
-        m = self.new()
-        return self._value(m, x) is not None and m.accept_token(self.eos)
+    def guided(self, x) -> str | None:
+        """A text of ``x`` the grammar accepts, keys in some order (None: none found): each
+        object's keys are written one at a time, the first that the matcher accepts (with its
+        whole value) next, rolling back a key that fails (layout as :func:`layouts`' first;
+        floats also plain, U+007F also escaped)."""
+        m, self._pieces = self.new(), []
+        if self._value(m, x) is not None and m.accept_token(self.eos):
+            return "".join(self._pieces)
+        return None
 
     def _emit(self, m, text: str) -> int | None:
         ids = self.tok(text, add_special_tokens=False)["input_ids"] if text else []
@@ -398,30 +431,37 @@ class Grammar:
             if not m.accept_token(t):
                 m.rollback(k)
                 return None
+        self._pieces.append(text)
         return len(ids)
+
+    def _undo(self, m, n: int, mark: int) -> None:
+        m.rollback(n)
+        del self._pieces[mark:]
 
     def _value(self, m, x) -> int | None:
         """Tokens accepted writing ``x`` (None: not accepted, state as before)."""
+        mark = len(self._pieces)
         if isinstance(x, dict):
             n = self._emit(m, "{")
             keys = list(x)
             while n is not None and keys:
                 for k in keys:
+                    key_mark = len(self._pieces)
                     key = json.dumps(k, ensure_ascii=False).replace("\x7f", "\\u007f")
                     head = self._emit(m, (", " if len(keys) < len(x) else "") + key + ": ")
                     if head is None:
                         continue
                     body = self._value(m, x[k])
                     if body is None:
-                        m.rollback(head)
+                        self._undo(m, head, key_mark)
                         continue
                     n += head + body
                     keys.remove(k)
                     break
                 else:
-                    m.rollback(n)
+                    self._undo(m, n, mark)
                     return None
-            return self._close(m, n, "}")
+            return self._close(m, n, "}", mark)
         if isinstance(x, list):
             n = self._emit(m, "[")
             for j, v in enumerate(x):
@@ -430,10 +470,10 @@ class Grammar:
                 sep = self._emit(m, ", " if j else "")
                 body = self._value(m, v) if sep is not None else None
                 if body is None:
-                    m.rollback(n + (sep or 0))
+                    self._undo(m, n + (sep or 0), mark)
                     return None
                 n += sep + body
-            return self._close(m, n, "]")
+            return self._close(m, n, "]", mark)
         for text in dict.fromkeys((_dumps(x, False), _dumps(_plain_floats(x), False), _dumps(x, False).replace(
                 "\x7f", "\\u007f"))):
             n = self._emit(m, text)
@@ -441,12 +481,12 @@ class Grammar:
                 return n
         return None
 
-    def _close(self, m, n: int | None, char: str) -> int | None:
+    def _close(self, m, n: int | None, char: str, mark: int) -> int | None:
         if n is None:
             return None
         c = self._emit(m, char)
         if c is None:
-            m.rollback(n)
+            self._undo(m, n, mark)
             return None
         return n + c
 
@@ -486,14 +526,17 @@ def check_instances(g: Grammar, v, valids: list, invalids: list, schema) -> dict
     layout, invalid instances accepted in some layout."""
     r = {"valid": len(valids), "invalid": len(invalids), "valid_rejected": 0, "invalid_accepted": 0, "examples": []}
     for x in valids:
-        if not any(g.accepts(t) for t in layouts(x, schema)) and not g.guided(x) \
-                and not g.guided(schema_order(x, schema)):
+        if not any(g.accepts(t) for t in layouts(x, schema)) and g.guided(x) is None \
+                and g.guided(schema_order(x, schema)) is None:
             r["valid_rejected"] += 1
             r["examples"].append(["valid rejected", _dumps(schema_order(x, schema), False)[:300]])
     for x in invalids:
-        hit = next((t for t in layouts(x, schema) if g.accepts(t)), None)
-        if hit is None and (g.guided(x) or g.guided(schema_order(x, schema))):
-            hit = "(in another key order) " + _dumps(x, False)
+        # an accepted text counts as it parses: 3.0678e+24 written as digits is an integer
+        hit = next((t for t in layouts(x, schema) if g.accepts(t) and is_valid(v, json.loads(t)) is False), None)
+        for text in (() if hit else (g.guided(x), g.guided(schema_order(x, schema)))):
+            if text is not None and is_valid(v, json.loads(text)) is False:
+                hit = "(in another key order) " + text
+                break
         if hit is not None:
             r["invalid_accepted"] += 1
             r["examples"].append(["invalid accepted", hit[:300]])
