@@ -133,7 +133,7 @@ def _status(compile_fn) -> tuple[str, str]:
 
 def _subset_worker(path: str, start: int, timeout_s: float, before_ref: str | None, conn) -> None:
     from replicas.errors import GrammarCompileError
-    from replicas.grammar import GrammarSpec, _check, backend_for
+    from replicas.grammar import GrammarSpec, LLGuidanceGrammar, _check, backend_for
     before_check = _before_check(before_ref) if before_ref else None
     _, compiler = _compiler(timeout_s)
     with gzip.open(path, "rt") as f:
@@ -148,6 +148,8 @@ def _subset_worker(path: str, start: int, timeout_s: float, before_ref: str | No
             backend = "-"
         after, message = _status(lambda: compiler.compile(spec))
         seconds = time.perf_counter() - t0
+        if after == "served":   # (a fallback may have served it: the cache says which backend did)
+            backend = "llguidance" if isinstance(compiler.compile(spec), LLGuidanceGrammar) else "xgrammar"
         before = None
         if before_check is not None:  # the ref's rule: refused before compiling, else xgrammar compiled it
             if isinstance(schema, str) or before_check(schema):

@@ -65,7 +65,7 @@ _UNENFORCED = ("contains", "minContains", "maxContains", "not", "if", "then", "e
                # patternProperties keys went in untyped or not at all)
                "multipleOf", "dependentRequired", "dependencies", "patternProperties")
 # Formats xgrammar 0.2.9 checks only by shape: "2020-02-31" passed format date (and date-time).
-_XGR_LOOSE_FORMATS = ("date", "date-time")
+_XGR_LOOSE_FORMATS = ("date", "date-time", "time")   # time: "23:59:60Z" accepted
 _LOOKAROUND = re.compile(r"\(\?<?[=!]")
 _NOT_SCHEMAS = ("const", "enum", "default", "examples", "description", "title", "$comment")
 _NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
@@ -114,6 +114,46 @@ def unenforced_keywords(schema: Any) -> list[str]:
         if isinstance(node.get("pattern"), str) and _LOOKAROUND.search(node["pattern"]):
             found.append(f"pattern with look-around at {where}")
         found += _dropped_constraints(node, where)
+    return found
+
+
+def _anchored_whole(pattern: str) -> bool:
+    """Whether ``pattern`` only matches whole strings as JSON Schema reads it (unanchored): it
+    starts with ``^``, ends with an unescaped ``$`` and has no top-level ``|``."""
+    if not (pattern.startswith("^") and pattern.endswith("$")) or pattern.endswith("\\$"):
+        return False
+    return not any(pattern[i] == "|" for i, _ in _top_level_atoms(pattern))
+
+
+# A pattern that may match a character JSON writes escaped (a quote, a backslash, a control
+# character): any-character classes, negated classes, \s (newline, tab), a quote or backslash.
+_ESCAPABLE = re.compile(r'(?<!\\)\.|\\[SWDspPntrfvxuc0]|\[\^|"|\\\\')
+
+
+def incomplete_keywords(schema: Any) -> list[str]:
+    """Places where xgrammar 0.2.9 would reject valid instances (sound, but not complete): a
+    ``pattern`` not anchored at both ends (JSON Schema searches it, xgrammar matches it whole:
+    ``"^pkg:"`` rejected ``"pkg:x"``); a pattern that may match a character JSON escapes
+    (xgrammar matches it against the escaped text: ``"a\\"b"`` failed ``^[\\S]+$``); a string
+    length bound (``minLength`` / ``maxLength``: every JSON escape refused, ``"a\\nb"`` for
+    ``maxLength: 5``); ``format: uri-reference`` (``"https://x.org/a"`` rejected); a ``number``
+    with a bound (at most 6 fractional digits: ``2.9294384834`` rejected for ``maximum: 360``).
+    llguidance 1.9 accepts these (measured, ``docs/grammar_backends.md``); such a schema goes to
+    llguidance and falls back to xgrammar where llguidance refuses it
+    (:meth:`GrammarCompiler.compile`)."""
+    found = []
+    for node, where in _walk(schema):
+        if isinstance(node.get("pattern"), str) and not _anchored_whole(node["pattern"]):
+            found.append(f"pattern not anchored at both ends at {where}")
+        elif isinstance(node.get("pattern"), str) and _ESCAPABLE.search(node["pattern"]):
+            found.append(f"pattern that may match a character JSON escapes at {where}")
+        if node.get("format") == "uri-reference":
+            found.append(f"format uri-reference at {where}")
+        types = node.get("type") if isinstance(node.get("type"), list) else [node.get("type")]
+        if "number" in types and any(k in node for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
+            found.append(f"number with a bound at {where}")
+        if (None in types or "string" in types) and ("maxLength" in node or node.get("minLength") not in (None, 0)):
+            found.append(f"string length bound at {where}")
     return found
 
 
@@ -231,10 +271,47 @@ def optional_group_starting_optional(pattern: str) -> bool:
     return False
 
 
+def optional_group_ending_repeated(pattern: str) -> bool:
+    """Whether ``pattern`` has a group that may be skipped once (``(...)?``) whose body, or one of
+    its alternatives, ends with an atom repeated without bound (``*``, ``+``, ``{n,}``). xgrammar
+    0.2.9 then accepts the body without its start: ``^(ab*)?c$`` accepted ``"bc"`` (seen in a
+    JSONSchemaBench pattern, ``^([ZB][1-9][0-9]*)?K[1-9][0-9]*$``: a grammar sample
+    ``"434602470600400302K144"`` broke it); ``(a[0-9]*b)?``, ``(ab{2})?``, ``(ab*)*`` were
+    right."""
+    stack = [pattern]
+    while stack:
+        p = stack.pop()
+        for i, j in _top_level_atoms(p):
+            if p[i] != "(":
+                continue
+            body = p[i + 1:j - 1]
+            if body.startswith("?:"):
+                body = body[2:]
+            elif body.startswith("?<") and body[2:3] not in ("=", "!"):
+                body = body[body.find(">") + 1:]
+            if p.startswith("?", j) or p.startswith("{0,1}", j):
+                alts, start = [], 0
+                for k, m in _top_level_atoms(body):
+                    if body[k] == "|":
+                        alts.append(body[start:k])
+                        start = m
+                alts.append(body[start:])
+                for alt in alts:
+                    atoms = list(_top_level_atoms(alt))
+                    # the last atom and its quantifier: "x*" -> atoms x, *
+                    if len(atoms) >= 2 and (alt[atoms[-1][0]] in "*+" or re.fullmatch(r"\{\d+,\}", alt[atoms[-1][0]:])
+                                            or alt.endswith(",}")):
+                        return True
+            stack.append(body)
+    return False
+
+
 def _dropped_constraints(node: dict, where: str) -> list[str]:
     found = []
     if isinstance(node.get("pattern"), str) and optional_group_starting_optional(node["pattern"]):
         found.append(f"pattern with an optional group that starts with an optional atom at {where}")
+    if isinstance(node.get("pattern"), str) and optional_group_ending_repeated(node["pattern"]):
+        found.append(f"pattern with an optional group that ends with a repeated atom at {where}")
     siblings = [k for k in _CONSTRAINTS if k in node]
     for comb in ("anyOf", "oneOf", "allOf", "$ref"):
         if comb in node and siblings:
@@ -291,8 +368,33 @@ _DEFINED_FORMATS = {"date-time", "date", "time", "duration", "email", "idn-email
                     "json-pointer", "relative-json-pointer", "regex", "color", "host-name", "ip-address"}
 
 
+# Date and time formats as patterns, exact to RFC 3339 as `jsonschema`'s format checker reads it
+# (no year 0, days per month with leap years, no leap second, a `Z` / `z` or +hh:mm offset):
+# llguidance 1.9's own date-time and time accepted second 60 at any minute ("11:14:60Z").
+_YEAR = "([1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
+_LEAP = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
+_DATE = (f"({_YEAR}-(0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|{_YEAR}-(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+         f"|{_YEAR}-02-(0[1-9]|1[0-9]|2[0-8])|{_LEAP}-02-29)")
+_TIME = "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]+)?([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+# RFC 3986 URI-reference (`jsonschema` checks it with rfc3986-validator's regex), without IP
+# literals in brackets (not accepted, so the pattern stays sound): llguidance 1.9 does not
+# implement the format and xgrammar 0.2.9's rejected "https://x.org/a".
+_PCT = "%[0-9A-Fa-f]{2}"
+_PCHAR = f"([A-Za-z0-9._~!$&'()*+,;=:@-]|{_PCT})"
+_QUERY = f"([A-Za-z0-9._~!$&'()*+,;=:@/?-]|{_PCT})*"
+_AUTHORITY = f"(([A-Za-z0-9._~!$&'()*+,;=:-]|{_PCT})*@)?([A-Za-z0-9._~!$&'()*+,;=-]|{_PCT})*(:[0-9]*)?"
+_HIER = f"//{_AUTHORITY}(/{_PCHAR}*)*|/({_PCHAR}+(/{_PCHAR}*)*)?"
+_URI = f"[A-Za-z][A-Za-z0-9+.-]*:({_HIER}|{_PCHAR}+(/{_PCHAR}*)*)?"
+_RELATIVE = f"({_HIER}|([A-Za-z0-9._~!$&'()*+,;=@-]|{_PCT})+(/{_PCHAR}*)*)?"
+_URI_REFERENCE = f"^({_URI}|{_RELATIVE})(\\?{_QUERY})?(#{_QUERY})?$"
+_FORMAT_PATTERNS = {"date": f"^{_DATE}$", "date-time": f"^{_DATE}[Tt]{_TIME}$", "time": f"^{_TIME}$",
+                    "uri-reference": _URI_REFERENCE}
+
+
 def _llguidance_schema(schema: Any, strict: bool) -> Any:
-    """A copy of ``schema`` for llguidance: custom (undefined) formats dropped; with ``strict``,
+    """A copy of ``schema`` for llguidance: custom (undefined) formats dropped, ``date`` /
+    ``date-time`` / ``time`` / ``uri-reference`` as exact patterns (:data:`_FORMAT_PATTERNS`,
+    where the node has no ``pattern``); with ``strict``,
     no properties beyond those named (``additionalProperties: false`` where absent, except on
     direct ``allOf`` members, which other members may extend) and no items beyond
     ``prefixItems``, as xgrammar's strict mode."""
@@ -304,6 +406,8 @@ def _llguidance_schema(schema: Any, strict: bool) -> Any:
             in_allof.update(id(m) for m in node["allOf"])
         if isinstance(node.get("format"), str) and node["format"] not in _DEFINED_FORMATS:
             del node["format"]
+        if node.get("format") in _FORMAT_PATTERNS and "pattern" not in node:
+            node["pattern"] = _FORMAT_PATTERNS[node.pop("format")]
         _rewrite_dependencies(node)
         if strict and id(node) not in in_allof:
             if ("properties" in node or node.get("type") == "object") and "additionalProperties" not in node:
@@ -362,16 +466,27 @@ def backend_for(spec: GrammarSpec) -> str:
     uses something xgrammar does not enforce. Raises nothing; a spec llguidance cannot enforce
     either is refused when llguidance compiles it."""
     if spec.kind == "json_schema":
-        return "llguidance" if unenforced_keywords(spec.value) else "xgrammar"
+        return "llguidance" if unenforced_keywords(spec.value) or incomplete_keywords(spec.value) else "xgrammar"
     if spec.kind == "tools":
         if spec.value.get("tool_choice", "auto") == "none":
             return "xgrammar"  # free text: no argument schema takes part
         return "llguidance" if any(unenforced_keywords(p) for _, p in _tool_schemas(spec.value)) else "xgrammar"
     if spec.kind == "lark":
         return "llguidance"   # its native syntax (xgrammar's from_lark takes a subset)
-    if spec.kind == "regex" and (_LOOKAROUND.search(spec.value) or optional_group_starting_optional(spec.value)):
+    if spec.kind == "regex" and (_LOOKAROUND.search(spec.value) or optional_group_starting_optional(spec.value)
+                                 or optional_group_ending_repeated(spec.value)):
         return "llguidance"   # xgrammar ignores look-around and mis-compiles such groups; llguidance refuses look-around
     return "xgrammar"
+
+
+def fallback_for(spec: GrammarSpec) -> str | None:
+    """The backend that compiles ``spec`` when :func:`backend_for`'s choice refuses it, or None:
+    xgrammar for a json_schema sent to llguidance only for completeness
+    (:func:`incomplete_keywords`; xgrammar enforces all of it, but rejects some valid
+    instances)."""
+    if spec.kind == "json_schema" and not unenforced_keywords(spec.value) and incomplete_keywords(spec.value):
+        return "xgrammar"
+    return None
 
 
 def _lark_str(s: str) -> str:
@@ -823,12 +938,12 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return hit[0]
             spec = _check(spec)
-            backend = backend_for(spec)
-            if self.isolate:
-                compiled, size = self._compile_isolated(backend, spec)
-            else:
-                compiled = self._compile_in_thread(backend, spec)
-                size = compiled.memory_size_bytes
+            try:
+                compiled, size = self._compile_backend(backend_for(spec), spec)
+            except GrammarCompileError:
+                if fallback_for(spec) is None:
+                    raise
+                compiled, size = self._compile_backend(fallback_for(spec), spec)
             if size <= self.cache_bytes:
                 self._cache[key] = (compiled, size)
                 self._cached_bytes += size
@@ -840,6 +955,13 @@ class GrammarCompiler:
                 if evicted:
                     _trim_heap()
             return compiled
+
+    def _compile_backend(self, backend: str, spec: GrammarSpec):
+        """(compiled grammar, its size for the cache) with ``backend``; raises as :meth:`compile`."""
+        if self.isolate:
+            return self._compile_isolated(backend, spec)
+        compiled = self._compile_in_thread(backend, spec)
+        return compiled, compiled.memory_size_bytes
 
     def _compile_in_thread(self, backend: str, spec: GrammarSpec):
         if backend == "llguidance":
@@ -863,8 +985,12 @@ class GrammarCompiler:
         return XGrammarMatcher(compiled)
 
     def backend_of(self, spec: GrammarSpec) -> str:
-        """Which backend serves ``spec`` ("xgrammar" or "llguidance"); raises as :meth:`compile`."""
-        return backend_for(_check(spec))
+        """Which backend serves ``spec`` ("xgrammar" or "llguidance"; compiles it where a fallback
+        may apply, :func:`fallback_for`); raises as :meth:`compile`."""
+        spec = _check(spec)
+        if fallback_for(spec) is None:
+            return backend_for(spec)
+        return "llguidance" if isinstance(self.compile(spec), LLGuidanceGrammar) else "xgrammar"
 
     def apply_bitmask(self, logits: torch.Tensor, matchers: list) -> None:
         """Mask, in place, the tokens each row's matcher forbids (rows without a matcher untouched).

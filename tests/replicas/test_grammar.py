@@ -16,6 +16,10 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength
                                            "unit": {"enum": ["c", "f"]}},
           "required": ["city", "days", "unit"], "additionalProperties": False}
 
+# SCHEMA without its length bound (a length bound sends a schema to llguidance: xgrammar refuses
+# JSON escapes in bounded strings).
+SCHEMA_XGR = {**SCHEMA, "properties": {**SCHEMA["properties"], "city": {"type": "string"}}}
+
 
 def run(engine, prompt, spec, **kw):
     return engine.generate([prompt], SamplingParams(max_tokens=kw.pop("max_tokens", 64), **kw), [spec])[0]
@@ -167,6 +171,8 @@ MOVED_TO_LLGUIDANCE = [
     ({"type": "string", "enum": ["a", 1]}, "outside type string", '"a"', '1'),
     ({"type": "string", "pattern": "^v(?:\\s*\\+json)?$"}, "optional group that starts with an optional atom",
      '"v +json"', '"v "'),
+    ({"type": "string", "pattern": "^([ZB][1-9][0-9]*)?K[1-9][0-9]*$"}, "optional group that ends with a repeated atom",
+     '"Z1K1"', '"434602470600400302K144"'),   # a grammar sample of xgrammar's (bench.grammar_soundness)
     ({"type": "object", "properties": {"a": {}, "b": {}}, "dependentRequired": {"a": ["b"]}},
      "dependentRequired at $", '{"a": 1, "b": 2}', '{"a": 1}'),
     ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "properties": {"a": {}, "c": {}},
@@ -204,6 +210,62 @@ def test_keywords_xgrammar_drops_are_served_by_llguidance(engine, schema, needle
     assert not _accepts(engine.grammar.matcher(tools), engine.tokenizer, call % invalid)
 
 
+# Found by bench.grammar_soundness / its probes: schemas xgrammar serves but with valid instances
+# it rejects (incomplete_keywords: completeness) or invalid ones it accepts, and llguidance's own
+# holes closed by a rewrite (_FORMAT_PATTERNS). (schema, the place found, a valid instance, an
+# invalid one, whether xgrammar alone rejected the valid one).
+MOVED_FOR_COMPLETENESS = [
+    ({"type": "string", "pattern": "^pkg:"}, "pattern not anchored at both ends at $", '"pkg:x"', '"xpkg:"', True),
+    ({"type": "object", "properties": {"n": {"type": "string", "pattern": "[0-9]"}}},
+     "pattern not anchored at both ends at $.properties.n", '{"n": "ab1cd"}', '{"n": "abc"}', True),
+    ({"type": "string", "pattern": "^a|b$"}, "pattern not anchored", '"xb"', '"xa"', True),
+    ({"type": "string", "maxLength": 5}, "string length bound at $", '"a\\nb"', '"abcdef"', True),
+    ({"type": "string", "minLength": 2}, "string length bound at $", '"\\"\\""', '"a"', True),
+    ({"maxLength": 3}, "string length bound at $", '"a\\"b"', '"abcd"', False),   # xgrammar accepted "abcd"
+    ({"type": "string", "format": "uri-reference"}, "format uri-reference at $", '"https://x.org/a?b#c"',
+     '"a b"', True),
+    ({"type": "number", "minimum": -360, "maximum": 360}, "number with a bound at $", "2.9294384834", "360.0001",
+     True),
+    ({"type": "string", "pattern": "^[\\S]+$"}, "pattern that may match a character JSON escapes at $",
+     '"a\\"b"', '"a b"', True),
+    ({"type": "string", "format": "time"}, "format time at $", '"10:00:00.5+01:00"', '"23:59:60Z"', False),
+    # llguidance's own date-time took second 60 at any minute; the pattern rewrite closes it
+    ({"type": "string", "format": "date-time"}, "format date-time at $", '"2020-02-29T10:00:00Z"',
+     '"2020-01-01T11:14:60Z"', False),
+    ({"type": "string", "format": "date"}, "format date at $", '"2000-02-29"', '"1900-02-29"', False),
+]
+
+
+@pytest.mark.parametrize("schema,needle,valid,invalid,xgr_rejects_valid", MOVED_FOR_COMPLETENESS)
+def test_schemas_xgrammar_serves_incompletely_go_to_llguidance(engine, schema, needle, valid, invalid,
+                                                               xgr_rejects_valid):
+    from replicas.grammar import GrammarSpec, XGrammarMatcher, _check, incomplete_keywords, unenforced_keywords
+    assert any(needle in x for x in incomplete_keywords(schema) + unenforced_keywords(schema))
+    cls = jsonschema.validators.validator_for(schema)
+    validator = cls(schema, format_checker=cls.FORMAT_CHECKER)   # (FormatChecker() checks time as draft 3)
+    assert validator.is_valid(json.loads(valid)) and not validator.is_valid(json.loads(invalid))
+    spec = GrammarSpec("json_schema", schema)
+    assert engine.grammar.backend_of(spec) == "llguidance"
+    assert _accepts(engine.grammar.matcher(spec), engine.tokenizer, valid)
+    assert not _accepts(engine.grammar.matcher(spec), engine.tokenizer, invalid)
+    if xgr_rejects_valid:   # why it moved: xgrammar alone rejects the valid instance
+        xgr = XGrammarMatcher(engine.grammar._compile_backend("xgrammar", _check(spec))[0])
+        assert not _accepts(xgr, engine.tokenizer, valid)
+
+
+def test_schema_moved_for_completeness_falls_back_to_xgrammar_where_llguidance_refuses(engine):
+    """A length bound sends the schema to llguidance, which refuses maxProperties beside optional
+    keys; xgrammar enforces all of it, so it serves (rejecting the escapes it always did)."""
+    from replicas.grammar import GrammarSpec
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}, "b": {"type": "integer"}},
+              "maxProperties": 1}
+    spec = GrammarSpec("json_schema", schema)
+    assert engine.grammar.backend_of(spec) == "xgrammar"
+    assert _accepts(engine.grammar.matcher(spec), engine.tokenizer, '{"a": "ab"}')
+    for bad in ('{"a": "abcd"}', '{"a": "ab", "b": 1}'):
+        assert not _accepts(engine.grammar.matcher(spec), engine.tokenizer, bad)
+
+
 @pytest.mark.parametrize("schema,needle", [
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems at $"),
     ({"type": "array", "contains": {"const": 3}}, "contains at $"),
@@ -213,8 +275,6 @@ def test_keywords_xgrammar_drops_are_served_by_llguidance(engine, schema, needle
     ({"$ref": "http://example.com/x.json"}, "not a local JSON pointer"),
     ({"type": "object", "properties": {"p": {"type": "string", "pattern": "^(?!x)[a-z]+$"}}},
      "pattern with look-around at $.properties.p"),
-    ({"type": "object", "properties": {"u": {"type": "string", "format": "uri-reference", "maxLength": 9}}},
-     "format uri-reference at $.properties.u"),
     ({"type": "object", "propertyNames": {"pattern": "^a"}, "patternProperties": {"^a": {}}}, "propertyNames at $"),
 ])
 def test_keywords_neither_backend_enforces_are_refused_with_where(engine, schema, needle):
@@ -231,7 +291,7 @@ def test_keywords_neither_backend_enforces_are_refused_with_where(engine, schema
 
 def test_schema_xgrammar_enforces_stays_on_xgrammar(engine):
     from replicas.grammar import GrammarSpec
-    for spec in (GrammarSpec("json_schema", SCHEMA), GrammarSpec("json_schema", SCHEMA, strict=True),
+    for spec in (GrammarSpec("json_schema", SCHEMA_XGR), GrammarSpec("json_schema", SCHEMA_XGR, strict=True),
                  GrammarSpec("json_object"), GrammarSpec("regex", "[a-c]{2}"), GrammarSpec("choice", ["a", "b"]),
                  GrammarSpec("ebnf", 'root ::= "x"')):
         assert engine.grammar.backend_of(spec) == "xgrammar"
@@ -248,7 +308,7 @@ def test_strict_on_llguidance_allows_no_extra_properties(engine):
     assert _accepts(engine.grammar.matcher(strict), engine.tokenizer, '{"v": 2}')
 
 
-@pytest.mark.parametrize("backend_schema", [SCHEMA, {**SCHEMA, "properties": {**SCHEMA["properties"],
+@pytest.mark.parametrize("backend_schema", [SCHEMA_XGR, {**SCHEMA, "properties": {**SCHEMA["properties"],
                                                                                  "days": {"type": "integer", "multipleOf": 3}}}])
 def test_matcher_interface_rollback_and_jump_forward(engine, backend_schema):
     """Both backends: a refused token leaves the state as it was, rollback undoes accepted tokens
@@ -298,7 +358,7 @@ def test_mixed_batch_mask_one_buffer(engine):
 
 def test_engine_batch_mixing_backends_validates(engine, chat_prompts):
     """The engine decodes one batch whose requests use both backends; every output validates."""
-    schemas = [SCHEMA, {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 5, "minimum": 0,
+    schemas = [SCHEMA_XGR, {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 5, "minimum": 0,
                                                                  "maximum": 100}}, "required": ["n"],
                         "additionalProperties": False}]
     outs = engine.generate(chat_prompts[:2], SamplingParams(max_tokens=48, temperature=1.0, seed=3),
@@ -402,7 +462,8 @@ def test_isolated_cache_counts_grammars_by_their_serialized_size(engine):
     from replicas.grammar import GrammarCompiler, GrammarSpec
     c = GrammarCompiler(engine.tokenizer, engine.model.config.vocab_size, cache_bytes=64 << 20)
     try:
-        schema = {"type": "object", "properties": {f"k{i}": {"type": "string", "maxLength": 8} for i in range(6)},
+        schema = {"type": "object", "properties": {f"k{i}": {"type": "integer", "minimum": 0, "maximum": 99999}
+                                                   for i in range(6)},
                   "required": ["k0"]}
         g = c.compile(GrammarSpec("json_schema", schema))
         (_, size), = c._cache.values()
@@ -418,6 +479,12 @@ def test_optional_group_detector():
     assert f(r"^v(x*j)?$") and f(r"^(a|b*c)*$") and f(r"^(\d{0,3}x)?$") and f(r"^v(?:\s*\+(json))?$")
     assert not any(f(p) for p in (r"^v(ab)?$", r"^vx*j$", r"^v(x*j)$", r"^(\d{1,3}x)?$", r"^([(]x*)?$",
                                   r"^(?:[a-z\d][\w!#$&^.-]+)+$"))
+
+
+def test_optional_group_ending_repeated_detector():
+    from replicas.grammar import optional_group_ending_repeated as f
+    assert all(f(p) for p in (r"^(ab*)?c$", r"^([ZB][1-9][0-9]*)?K[1-9][0-9]*$", r"^(a|b[0-9]*)?K$", r"^(ab{2,})?c$"))
+    assert not any(f(p) for p in (r"^(a[0-9]*b)?c$", r"^(ab{2})?c$", r"^x(ab*)*c$", r"^(\d{1,3}x)?$", r"^(ab)?c$"))
 
 
 def test_pattern_optional_group_really_breaks_in_xgrammar(engine):

@@ -1,0 +1,105 @@
+"""Soundness / completeness of the schema grammars through the server's routing
+(``GrammarCompiler.compile``): instances drawn by hypothesis-jsonschema are accepted, mutated
+invalid ones (checked invalid by jsonschema) are rejected, and what the grammar itself samples
+validates; for schemas drawn by hypothesis and for a seeded sample of JSONSchemaBench."""
+
+import gzip
+import json
+import random
+
+import pytest
+
+pytest.importorskip("hypothesis_jsonschema")
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+from bench import grammar_soundness as gs  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    return gs._compiler(10.0)
+
+
+def _check(compiler, schema, **kw):
+    tok, gc = compiler
+    rec = gs.check_schema(gc, tok, schema, schema_s=60.0, **kw)
+    assert rec["status"] in ("served", "refused"), rec
+    return rec
+
+
+def _assert_sound_complete(rec, schema):
+    where = json.dumps(schema)[:300]
+    assert rec["invalid_accepted"] == 0 and rec["samples_invalid"] == 0, (where, rec["examples"])
+    assert rec["valid_rejected"] == 0, (where, rec["examples"])
+
+
+def test_mutations_are_checked_invalid_and_layouts_follow_schema_order():
+    schema = {"type": "object", "properties": {"b": {"type": "integer", "maximum": 3}, "a": {"type": "string"}},
+              "required": ["a", "b"], "additionalProperties": False}
+    v = gs.validator(schema)
+    bad = gs.invalid_instances(v, [{"a": "x", "b": 1}], 20, random.Random(0))
+    assert bad and all(not v.is_valid(x) for x in bad)
+    assert {"a": "x"} in bad and {"a": "x", "b": 1, "zz_extra": 1} in bad     # required dropped, extra key
+    assert gs.layouts({"a": "x", "b": 1.5e-07}, schema)[:2] == ['{"b": 1.5e-07, "a": "x"}', '{"b":1.5e-07,"a":"x"}']
+    assert '{"b": 0.00000015, "a": "x"}' in gs.layouts({"a": "x", "b": 1.5e-07}, schema)
+    assert gs.typed({"properties": {"a": {"maxLength": 2}}})["properties"]["a"]["type"] == "string"
+
+
+STRINGS = st.one_of(
+    st.fixed_dictionaries({"type": st.just("string")}, optional={
+        "maxLength": st.integers(1, 8), "minLength": st.integers(0, 3),
+        "pattern": st.sampled_from(["^[a-z]+$", "^pkg:", "[0-9]", "^a|b$", "^(ab)+$"])}),
+    st.fixed_dictionaries({"type": st.just("string"),
+                           "format": st.sampled_from(["date", "date-time", "email", "uuid", "ipv4"])}),
+    st.fixed_dictionaries({"enum": st.lists(st.sampled_from(["x", "y", "z\n", 'q"']), min_size=1, max_size=3,
+                                            unique=True)}))
+NUMBERS = st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["integer", "number"])}, optional={
+        "minimum": st.integers(-5, 0), "maximum": st.integers(1, 50), "exclusiveMaximum": st.integers(51, 60)}),
+    st.fixed_dictionaries({"type": st.just("integer"), "multipleOf": st.sampled_from([2, 5])}),
+    st.fixed_dictionaries({"type": st.sampled_from(["boolean", "null"])}))
+
+
+def _object(values):
+    return st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), values, min_size=1, max_size=3).flatmap(
+        lambda props: st.fixed_dictionaries({"type": st.just("object"), "properties": st.just(props),
+                                             "required": st.lists(st.sampled_from(sorted(props)), unique=True)},
+                                            optional={"additionalProperties": st.just(False)}))
+
+
+LEAVES = st.one_of(STRINGS, NUMBERS)
+SCHEMAS = _object(st.one_of(LEAVES, st.fixed_dictionaries(
+    {"type": st.just("array"), "items": LEAVES}, optional={"minItems": st.integers(0, 2), "maxItems": st.integers(2, 4)}),
+    _object(LEAVES)))
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(schema=SCHEMAS)
+def test_drawn_schemas_sound_and_complete(compiler, schema):
+    rec = _check(compiler, schema, n_valid=3, n_invalid=6, n_samples=1)
+    assert rec["status"] == "served", rec          # every keyword drawn is served by one backend
+    _assert_sound_complete(rec, schema)
+
+
+def _bench_sample(n: int, seed: int):
+    """``n`` JSONSchemaBench schemas drawn with ``seed`` from the subsets whose schemas compile in
+    well under a second (the rest are covered by ``python -m bench.grammar_soundness``)."""
+    rows = []
+    for name in ("Github_trivial", "Github_easy", "Glaiveai2K", "Snowplow", "WashingtonPost"):
+        with gzip.open(gs.JSONSCHEMABENCH_DIR / f"{name}.jsonl.gz", "rt") as f:
+            rows += [(name, i, json.loads(line)["json_schema"]) for i, line in enumerate(f)]
+    return random.Random(seed).sample(rows, n)
+
+
+def test_jsonschemabench_sample_sound_and_complete(compiler):
+    if not gs.JSONSCHEMABENCH_DIR.is_dir():
+        pytest.skip("JSONSchemaBench is not in ../shared/data")
+    served = 0
+    for name, i, schema in _bench_sample(30, seed=0):
+        schema = json.loads(schema) if isinstance(schema, str) else schema
+        rec = _check(compiler, schema, n_valid=3, n_invalid=6, n_samples=1, seed=i)
+        if rec["status"] == "served":
+            served += 1
+            _assert_sound_complete(rec, {"subset": name, "i": i})
+    assert served >= 20
