@@ -65,14 +65,21 @@ def test_forced_tokens_take_no_decode_step_and_outputs_equal(tool_requests):
 @pytest.mark.parametrize("policy", ["pask", "compilerkv+pask"])
 def test_policies_taking_chunks_store_forced_tokens_as_decoding_does(tool_requests, policy):
     """PASK stores each forced token at its tag's targets, as a decode step would: the same
-    positions at the same precisions in every layer when the sequence ends."""
+    generated positions at the same precisions in every layer when the sequence ends (PASK: the
+    prompt's entries too). compilerkv+pask's prompt side gives back prompt pages when the budget
+    is checked, once a step: without jump-forward that is once per token, with it once per forced
+    run, so it may give back a page less (measured: 464 vs 480 prompt entries kept on one prompt,
+    both within budget); the budget itself is checked after every step in ``_run``."""
     _, off, _ = _run(tool_requests[:2], kv_policy=policy, kv_budget=0.33)
     eng, on, _ = _run(tool_requests[:2], kv_policy=policy, kv_budget=0.33, enable_jump_forward=True)
     assert eng.jump_forward and all(r[1] > 0 for r in on)
-    same = [(a, b) for a, b in zip(off, on) if a[0] == b[0]]
+    same = [(n, a, b) for (ids, _), a, b in zip(tool_requests, off, on) if a[0] == b[0] for n in [len(ids)]]
     assert same                                                   # the comparison is not empty
-    for a, b in same:
-        assert a[3] == b[3]
+    for n, a, b in same:
+        generated = lambda kept: [{p: v for p, v in layer.items() if p >= n} for layer in kept]  # noqa: E731
+        assert generated(a[3]) == generated(b[3]) and any(generated(b[3]))
+        if policy == "pask":
+            assert a[3] == b[3]
 
 
 @pytest.mark.parametrize("policy", ["snapkv", "streaming_llm"])
