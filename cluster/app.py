@@ -36,6 +36,9 @@ class AppArgs(BaseModel):
                                          "wait one chunk, not a whole prompt).")
     enable_prefix_caching: bool = Field(False, description="Share the KV pages of identical prompt prefixes "
                                         "(system prompt, tools) between requests; kv_policy 'full' only.")
+    enable_jump_forward: bool = Field(False, description="Append the tokens a grammar forces (tool-call scaffold, "
+                                      "keys, the rest of an enum value) without a decode step each "
+                                      "(EngineConfig.enable_jump_forward; docs/results/jump_forward.md).")
     max_pending: int = Field(256, ge=1, description="In-flight requests per replica before 429.")
     replica_retries: int = Field(1, ge=0, le=5, description="Times a request that received nothing yet is "
                                  "sent to another replica after its replica died.")
@@ -84,7 +87,8 @@ class LLMServer:
             model=a.model, kv_policy=a.kv_policy, kv_budget=a.kv_budget, kv_cache_bytes=a.kv_cache_bytes,
             max_num_seqs=a.max_num_seqs, tensor_parallel_size=a.tensor_parallel_size,
             kv_policy_args=a.kv_policy_args, max_num_batched_tokens=a.max_num_batched_tokens,
-            enable_chunked_prefill=a.enable_chunked_prefill, enable_prefix_caching=a.enable_prefix_caching))
+            enable_chunked_prefill=a.enable_chunked_prefill, enable_prefix_caching=a.enable_prefix_caching,
+            enable_jump_forward=a.enable_jump_forward))
         self.engine = engine
         from cluster.protocol import Limits
         self.server = OpenAIServer(engine, a.served_model_name or Path(a.model).name, a.max_pending,

@@ -24,6 +24,15 @@ class EngineConfig:
             (vLLM's automatic prefix caching; ``replicas/prefix_cache.py``): a request whose
             prompt starts with cached pages is prefilled from after them. Full KV only for now
             (other policies raise ValueError at start).
+        enable_jump_forward: where the grammar forces the next text (a tool call's scaffold, a
+            key, the rest of an enum value), append its tokens without a decode step each and
+            feed them with the next step as one chunk (``replicas/jump_forward.py``). Only for
+            policies that take generated tokens as a chunk (``PolicySpec.forced_chunks``: full
+            KV, PASK, compilerkv+pask; the others decode forced tokens one step each) and
+            requests without logprobs, stop strings or stop token ids. Greedy outputs can differ
+            from decoding every token where the model would not spell the forced text as the
+            tokenizer does (measured: ``docs/results/jump_forward.md``); sampled outputs draw
+            fewer random numbers, so a seeded request gives other samples than without it.
         max_model_len: longest prompt + output in tokens (None: the model's context length).
         kv_policy: KV policy name (see ``replicas.policy.POLICIES``).
         kv_policy_args: keyword arguments of the policy.
@@ -42,6 +51,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = False
     enable_prefix_caching: bool = False
+    enable_jump_forward: bool = False
     max_model_len: int | None = None
     kv_policy: str = "full"
     kv_policy_args: dict = field(default_factory=dict)

@@ -21,6 +21,7 @@ from replicas.config import EngineConfig
 from replicas.detokenizer import IncrementalDetokenizer, token_bytes_of
 from replicas.errors import InvalidRequestError
 from replicas.grammar import GrammarCompiler, GrammarSpec
+from replicas.jump_forward import ForcedTokenizer, forced_tokens
 from replicas.kv_cache import KVCache, KVCacheConfig, KVCacheOutOfMemory, Precision
 from replicas.model_runner import ModelRunner, PrefillChunk
 from replicas.models import load_model
@@ -106,6 +107,17 @@ def _tagger_for(grammar: GrammarSpec | None) -> StructuralTagger:
     return StructuralTagger()
 
 
+class _AtLength:
+    """``seq`` as it was when it held ``num_tokens`` tokens (what ``decode_targets`` reads for
+    the token at ``num_tokens - 1``); every other attribute is the sequence's."""
+
+    def __init__(self, seq: Sequence, num_tokens: int):
+        self._seq, self.num_tokens = seq, num_tokens
+
+    def __getattr__(self, name):
+        return getattr(self._seq, name)
+
+
 class LLMEngine:
     """Continuous-batching engine over a compressible KV cache (one process, one rank)."""
 
@@ -148,6 +160,9 @@ class LLMEngine:
             except ValueError as e:
                 raise ValueError(f"kv_policy {config.kv_policy!r} cannot serve kv_budget {config.kv_budget}: {e}") from None
         self.generator = torch.Generator().manual_seed(config.seed)
+        # Jump-forward only where the policy takes generated tokens as a chunk (else: no change).
+        self.jump_forward = config.enable_jump_forward and self.policy.spec.forced_chunks
+        self._forced_tokenizer = ForcedTokenizer(self.tokenizer, self._token_text, self.eos_token_ids)
         self._grammar: GrammarCompiler | None = None
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -379,6 +394,9 @@ class LLMEngine:
         is in, the policy compresses it (``on_prefill``). Then the budget is checked for every
         sequence sampled, at once."""
         spec, kv = self.policy.spec, self.kv
+        jumps = [s for s in decode if s.num_forced_pending]   # fed as a chunk: sampled + forced tokens
+        if jumps:
+            decode = [s for s in decode if not s.num_forced_pending]
         plan = None
         if decode:
             targets = self.policy.decode_targets(decode, kv)
@@ -390,15 +408,20 @@ class LLMEngine:
         for item in work:
             seq = item.seq
             if seq.prefill_state is None:   # its first chunk (after a cached prefix, if any)
+                seq.num_forced_pending = 0   # (a recompute prefills forced tokens with the rest)
                 seq.prefill_state = {"targets": self.policy.prefill_targets(seq, kv), "queries": {}, "hidden": None}
             targets = seq.prefill_state["targets"]
             chunks.append(PrefillChunk(seq.request_id, seq.all_token_ids[item.start:item.end], item.start,
                                        None if targets is None else targets[item.start:item.end], item.is_last))
+        for seq in jumps:
+            n, k = seq.num_tokens, seq.num_forced_pending + 1
+            chunks.append(PrefillChunk(seq.request_id, seq.all_token_ids[n - k:], n - k,
+                                       self._forced_targets(seq, n - k, n), True))
         try:
             logits, queries, results = self.runner.forward(decode, plan, chunks, spec.record_decode_queries,
                                                            w, keep_hidden)
         except KVCacheOutOfMemory:   # the pool filled mid-forward: the step's sequences recompute later
-            for seq in decode + [item.seq for item in work]:
+            for seq in decode + jumps + [item.seq for item in work]:
                 self.scheduler.preempt(seq)
             return [], None
         if kv.prefix is not None:   # every layer of these chunks is written: their full pages can be shared
@@ -412,7 +435,11 @@ class LLMEngine:
                     kv.release_one(ev.rows, ev.layers, ev.positions)
                 for seq, a in ev.actions:
                     kv.set_precision(seq.request_id, a.layer, a.positions, a.precision)
-        for item, res in zip(work, results):
+        for seq, res in zip(jumps, results[len(work):]):
+            seq.num_forced_pending = 0
+            done.append(seq)
+            rows.append(res.logits[None])
+        for item, res in zip(work, results[:len(work)]):
             seq, state = item.seq, item.seq.prefill_state
             seq.num_computed_tokens = item.end
             for layer, q in res.queries.items():
@@ -450,6 +477,17 @@ class LLMEngine:
         if len(kept) < len(done):
             return [done[i] for i in kept], (logits[kept] if kept else None)
         return done, logits
+
+    def _forced_targets(self, seq: Sequence, start: int, end: int) -> torch.Tensor | None:
+        """``[end - start, L]`` int64 Precision of ``seq``'s tokens at positions ``start .. end - 1``
+        (its last sampled token and the forced ones after it), each what the policy's
+        ``decode_targets`` gives it in a decode step of its own (PASK: from the token's tag); None:
+        all HIGH."""
+        rows = [self.policy.decode_targets([_AtLength(seq, p + 1)], self.kv) for p in range(start, end)]
+        if all(r is None for r in rows):
+            return None
+        high = torch.full((self.kv.cfg.num_layers,), int(Precision.HIGH), dtype=torch.int64)
+        return torch.stack([high if r is None else r[0] for r in rows])
 
     def _enforce_budget(self, seqs: list[Sequence]) -> None:
         """The engine's guarantee, owned here: bytes held <= budget x full-KV bytes after every
@@ -529,7 +567,32 @@ class LLMEngine:
         if reason:
             seq.text = seq.detokenizer.flush()   # with a character cut off by the end, if any
             self._finish(seq, reason)
+        elif self.jump_forward and seq.matcher is not None:
+            self._jump_forward(seq)
         return RequestOutput.of(seq)
+
+    def _jump_forward(self, seq: Sequence) -> None:
+        """Append the tokens ``seq``'s grammar forces after its last sampled token
+        (``replicas/jump_forward.py``); the next step feeds them as one chunk. Not for requests
+        with logprobs (a forced token has no step to read them from), stop strings or stop token
+        ids (the checks above run per sampled token); at least one token of ``max_tokens`` and of
+        the context is left to sample."""
+        p = seq.params
+        if p.logprobs is not None or p.stop or p.stop_token_ids:
+            return
+        room = min(p.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
+        ids = forced_tokens(seq.matcher, lambda text: self._forced_tokenizer(seq.output_token_ids, text), room)
+        if not ids:
+            return
+        tagger = seq.policy_state.get("tagger")
+        for token in ids:
+            seq.output_token_ids.append(token)
+            if tagger is not None:
+                seq.policy_state.setdefault("tags", {})[seq.num_tokens - 1] = bucket_of(tagger.feed(self._token_text[token]))
+            seq.detokenizer.add(token)
+        seq.text = seq.detokenizer.text
+        seq.num_forced_pending += len(ids)
+        seq.metrics.num_forced_tokens += len(ids)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason

@@ -45,6 +45,12 @@ class PolicySpec:
             chunk (:meth:`KVPolicy.on_prefill_chunk`) to the entries it would keep at the
             prompt's end (scores that depend on positions only); admission then counts one chunk,
             not the whole prompt.
+        forced_chunks: generated tokens may reach the cache as a chunk of several tokens in one
+            forward (jump-forward decoding, ``replicas/jump_forward.py``): the policy's decisions
+            for a generated token need nothing from a decode step of its own (full KV; PASK,
+            whose targets come from each token's tag). Policies that score or evict per decode
+            step (StreamingLLM, H2O, SnapKV, ...) leave it False and decode forced tokens one
+            step each.
     """
     needs_tags: bool = False
     observation_window: int = 0
@@ -54,6 +60,7 @@ class PolicySpec:
     table_kinds: tuple[str, ...] = ()
     precisions: tuple[Precision, ...] = (Precision.HIGH,)
     compresses_chunks: bool = False
+    forced_chunks: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,7 @@ class KVPolicy:
     table_kinds: tuple[str, ...] = ()
     precisions: tuple[Precision, ...] = (Precision.HIGH,)
     compresses_chunks = False
+    forced_chunks = False
     floor_cost = 0.0   # expected KV fraction at the policy's floors (0: no floors)
 
     @property
@@ -130,7 +138,8 @@ class KVPolicy:
         """What the policy needs (read by the engine once per request or step)."""
         return PolicySpec(self.needs_tags, self.observation_window, self.wants_window_ppl,
                           self.record_decode_queries, bool(self.prompt_only), tuple(self.table_kinds),
-                          tuple(self.precisions), bool(self.compresses_chunks))
+                          tuple(self.precisions), bool(self.compresses_chunks),
+                          bool(self.forced_chunks))
 
     def bind_model(self, model_dir) -> None:
         """Load what the policy needs for the served model (tables); default: nothing."""
@@ -191,6 +200,7 @@ class KVPolicy:
 class FullKV(KVPolicy):
     """Keep every entry at HIGH precision (the reference policy)."""
     name = "full"
+    forced_chunks = True
 
     def check(self, num_prompt_tokens, budget, kv):
         if budget < 1.0:

@@ -43,6 +43,7 @@ class RequestMetrics:
     num_steps: int = 0
     num_preemptions: int = 0
     budget_fallbacks: int = 0
+    num_forced_tokens: int = 0   # output tokens appended by jump-forward (no decode step of their own)
 
     @property
     def kv_ratio_mean(self) -> float:
@@ -80,6 +81,9 @@ class Sequence:
     num_computed_tokens: int = 0
     prefilled: bool = False
     prefill_state: dict | None = None
+    # Output tokens appended by jump-forward whose KV is not in the cache yet: the next step feeds
+    # them, after the last sampled token, as one chunk (``LLMEngine._forward``).
+    num_forced_pending: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

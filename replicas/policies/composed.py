@@ -58,6 +58,7 @@ class PrefillDecodePolicy(KVPolicy):
         self.prompt_only = False
         self.table_kinds = tuple(dict.fromkeys(d.table_kinds + p.table_kinds))
         self.precisions = tuple(sorted(set(p.precisions) | set(d.precisions), reverse=True))
+        self.forced_chunks = d.forced_chunks   # generated tokens are the decode side's
 
     def bind_model(self, model_dir) -> None:
         self.decode.bind_model(model_dir)

@@ -158,6 +158,7 @@ class PASKPolicy(KVPolicy):
     table_kinds = ("pask",)   # tables the cluster registry may swap in (LLMEngine.load_table)
     needs_tags = True
     precisions = (Precision.HIGH, Precision.INT8, Precision.INT4)
+    forced_chunks = True   # a generated token's targets come from its tag (decode_targets)
     _costs: torch.Tensor | None = field(default=None, repr=False)
 
     @property
