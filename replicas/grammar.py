@@ -242,12 +242,11 @@ def _top_level_atoms(p: str):
         i = j
 
 
-def optional_group_starting_optional(pattern: str) -> bool:
-    """Whether ``pattern`` has a group that may be skipped (``(...)?``, ``(...)*``) whose body, or
-    one of its alternatives, starts with an atom that may be empty (``(\\s*\\+json)?``). xgrammar
-    0.2.9 then accepts the empty-able atom alone: ``^v(x*j)?$`` accepted ``"vx"`` (seen in a
-    JSONSchemaBench MIME-type pattern: output ``"video/s_data "`` broke it)."""
-    stack = [pattern]  # group bodies still to look into (no recursion: nesting is the client's)
+def _groups(pattern: str):
+    """``(text, end, alternatives)`` of every group in ``pattern``, at any depth: ``text[end:]`` is
+    what follows the group (its quantifier) and ``alternatives`` its body split at top-level ``|``
+    (a non-capturing or named group's prefix removed). No recursion: nesting is the client's."""
+    stack = [pattern]
     while stack:
         p = stack.pop()
         for i, j in _top_level_atoms(p):
@@ -258,17 +257,23 @@ def optional_group_starting_optional(pattern: str) -> bool:
                 body = body[2:]
             elif body.startswith("?<") and body[2:3] not in ("=", "!"):  # a named group
                 body = body[body.find(">") + 1:]
-            if _may_repeat_zero(p, j):
-                alts, start = [], 0
-                for k, m in _top_level_atoms(body):
-                    if body[k] == "|":
-                        alts.append(body[start:k])
-                        start = m
-                alts.append(body[start:])
-                if any(alt and _may_repeat_zero(alt, _atom_end(alt, 0)) for alt in alts):
-                    return True
+            alts, start = [], 0
+            for k, m in _top_level_atoms(body):
+                if body[k] == "|":
+                    alts.append(body[start:k])
+                    start = m
+            alts.append(body[start:])
+            yield p, j, alts
             stack.append(body)
-    return False
+
+
+def optional_group_starting_optional(pattern: str) -> bool:
+    """Whether ``pattern`` has a group that may be skipped (``(...)?``, ``(...)*``) whose body, or
+    one of its alternatives, starts with an atom that may be empty (``(\\s*\\+json)?``). xgrammar
+    0.2.9 then accepts the empty-able atom alone: ``^v(x*j)?$`` accepted ``"vx"`` (seen in a
+    JSONSchemaBench MIME-type pattern: output ``"video/s_data "`` broke it)."""
+    return any(_may_repeat_zero(p, j) and any(alt and _may_repeat_zero(alt, _atom_end(alt, 0)) for alt in alts)
+               for p, j, alts in _groups(pattern))
 
 
 def optional_group_ending_repeated(pattern: str) -> bool:
@@ -278,32 +283,12 @@ def optional_group_ending_repeated(pattern: str) -> bool:
     JSONSchemaBench pattern, ``^([ZB][1-9][0-9]*)?K[1-9][0-9]*$``: a grammar sample
     ``"434602470600400302K144"`` broke it); ``(a[0-9]*b)?``, ``(ab{2})?``, ``(ab*)*`` were
     right."""
-    stack = [pattern]
-    while stack:
-        p = stack.pop()
-        for i, j in _top_level_atoms(p):
-            if p[i] != "(":
-                continue
-            body = p[i + 1:j - 1]
-            if body.startswith("?:"):
-                body = body[2:]
-            elif body.startswith("?<") and body[2:3] not in ("=", "!"):
-                body = body[body.find(">") + 1:]
-            if p.startswith("?", j) or p.startswith("{0,1}", j):
-                alts, start = [], 0
-                for k, m in _top_level_atoms(body):
-                    if body[k] == "|":
-                        alts.append(body[start:k])
-                        start = m
-                alts.append(body[start:])
-                for alt in alts:
-                    atoms = list(_top_level_atoms(alt))
-                    # the last atom and its quantifier: "x*" -> atoms x, *
-                    if len(atoms) >= 2 and (alt[atoms[-1][0]] in "*+" or re.fullmatch(r"\{\d+,\}", alt[atoms[-1][0]:])
-                                            or alt.endswith(",}")):
-                        return True
-            stack.append(body)
-    return False
+    def ends_repeated(alt: str) -> bool:
+        atoms = list(_top_level_atoms(alt))   # the last atom and its quantifier: "x*" -> atoms x, *
+        return len(atoms) >= 2 and (alt[atoms[-1][0]] in "*+" or re.fullmatch(r"\{\d+,\}", alt[atoms[-1][0]:])
+                                    or alt.endswith(",}"))
+    return any((p.startswith("?", j) or p.startswith("{0,1}", j)) and any(map(ends_repeated, alts))
+               for p, j, alts in _groups(pattern))
 
 
 def _dropped_constraints(node: dict, where: str) -> list[str]:
