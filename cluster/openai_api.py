@@ -556,6 +556,14 @@ def build_app(server) -> FastAPI:
     async def _validation_error(request: Request, exc: RequestValidationError):
         server.metrics.error(400)
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":   # loc is ("body", character offset)
+            at = first.get("loc", ("body", "?"))[-1]
+            detail = (first.get("ctx") or {}).get("error", "JSON decode error")
+            return error_response(400, f"the request body is not valid JSON ({detail} at character {at})",
+                                  "invalid_request_error", None)
+        if first.get("loc") == ("body",) and first.get("type") == "model_attributes_type":
+            return error_response(400, "the request body must be a JSON object, sent with "
+                                       "Content-Type: application/json", "invalid_request_error", None)
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         refused = re.match(r"Value error, (\w+) is not supported", first.get("msg", ""))
         where = where or (refused.group(1) if refused else "")

@@ -325,6 +325,21 @@ def test_unknown_route_and_method_use_the_envelope(app):
 
 
 
+def test_malformed_json_and_form_bodies_say_what_is_wrong(app):
+    """Found by a new-user trial: a cut-off JSON body answered "invalid request body at 38" with
+    param "38", and ``curl -d`` without the JSON header gave no hint about it."""
+    async def post(text, content_type):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            return await c.post("/v1/chat/completions", content=text, headers={"Content-Type": content_type})
+    r = asyncio.run(post('{"model": "%s", "messages": [' % MODEL, "application/json"))
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] is None and err["type"] == "invalid_request_error"
+    assert "not valid JSON" in err["message"] and "at character" in err["message"], err
+    r = asyncio.run(post('{"model": "%s", "messages": []}' % MODEL, "application/x-www-form-urlencoded"))
+    err = r.json()["error"]
+    assert r.status_code == 400 and "Content-Type: application/json" in err["message"], err
+
+
 def test_new_user_findings_second_trial(app):
     """Found by the second new-user trial: 500s for odd text and types, a depth check skipped for a
     schema sent as a string, tool names that broke the call markup, nulls refused."""
