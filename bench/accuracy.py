@@ -17,6 +17,7 @@ it applies to the prompt-scoring policies (PREFILL_POLICIES) at total budget 1.0
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from dataclasses import dataclass
@@ -85,11 +86,13 @@ class EngineRunner:
     """Greedy decoding through our engine, all items of a run batched together."""
 
     def __init__(self, model_dir: Path, policy: str, budget: float, grammar: bool,
-                 max_new_tokens: int = 256, max_num_seqs: int = 16, policy_args: dict | None = None):
+                 max_new_tokens: int = 256, max_num_seqs: int = 16, policy_args: dict | None = None,
+                 enable_prefix_caching: bool = False):
         from replicas.config import EngineConfig
         from replicas.engine import LLMEngine
         self.engine = LLMEngine(EngineConfig(model=str(model_dir), kv_policy=policy, kv_budget=budget,
-                                             max_num_seqs=max_num_seqs, kv_policy_args=policy_args or {}))
+                                             max_num_seqs=max_num_seqs, kv_policy_args=policy_args or {},
+                                             enable_prefix_caching=enable_prefix_caching))
         self.grammar, self.max_new_tokens = grammar, max_new_tokens
         self.kv_ratios: list[tuple[float, float]] = []
 
@@ -98,6 +101,7 @@ class EngineRunner:
         from replicas.sampling_params import SamplingParams
         eng, params = self.engine, SamplingParams(max_tokens=self.max_new_tokens)
         texts: dict[str, str] = {}
+        self.texts = texts
         for item in items:
             ids = eng.tokenizer.apply_chat_template(item.messages, tools=item.tools, add_generation_prompt=True,
                                                     return_dict=True)["input_ids"]
@@ -167,6 +171,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--pask-table", type=Path, help="PASK table folder (default: the one shipped for the model)")
     ap.add_argument("--prefill-tokens", type=int, help="compress the prompt only, to this many tokens per layer")
     ap.add_argument("--max-tokens", type=int, default=256, help="generated tokens per answer at most")
+    ap.add_argument("--enable-prefix-caching", action="store_true",
+                    help="serve with the engine's prefix cache (the summary adds its hit counts and a digest "
+                         "of every answer, to compare with a run without)")
     args = ap.parse_args(argv)
     known = bfcl.CATEGORIES if args.split == "bfcl" else synth.CATEGORIES
     for c in args.category or []:
@@ -208,12 +215,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.prefill_tokens is not None:
             policy_args["prefill_tokens"] = args.prefill_tokens
         runner = EngineRunner(model_dir, args.policy, args.budget, args.grammar, args.max_tokens,
-                              policy_args=policy_args)
+                              policy_args=policy_args, enable_prefix_caching=args.enable_prefix_caching)
     summary = report(evaluate(runner, items), args.policy, args.budget, args.split)
     if args.prefill_tokens is not None:
         summary["prefill_tokens"] = args.prefill_tokens
     if getattr(runner, "kv_ratios", None):
         summary.update(runner.kv_ratio_summary())
+    if isinstance(runner, EngineRunner):   # one digest per answer: runs compare answer by answer
+        summary["answer_sha256"] = {i: hashlib.sha256(t.encode()).hexdigest()[:16] for i, t in runner.texts.items()}
+        if args.enable_prefix_caching:
+            s = runner.engine.stats()
+            summary["prefix_cache"] = {k: s[k] for k in ("prefix_cache_queries", "prefix_cache_hits",
+                                                         "prefix_cache_compressed_hits", "prefix_cache_unshared_pages")}
     print(format_table(summary))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -93,6 +93,8 @@ def run(policy: str, cache: bool, prompts: list[list[int]], concurrency: int, ge
             "tokens_per_s": sum(len(o.token_ids) for o in outs.values()) / wall,
             "kv_bytes_peak": peak, "kv_bytes_peak_with_idle_cache": peak_all,
             "prefix_cache_queries": s["prefix_cache_queries"], "prefix_cache_hits": s["prefix_cache_hits"],
+            "prefix_cache_compressed_hits": s["prefix_cache_compressed_hits"],
+            "prefix_cache_unshared_pages": s["prefix_cache_unshared_pages"],
             "tokens": [outs[i].token_ids for i in range(len(prompts))]}
 
 
@@ -237,12 +239,12 @@ def main(argv: list[str] | None = None) -> int:
           f"concurrency {args.concurrency}, {args.gen} tokens each, greedy; one engine per row, one after "
           f"the other on the same prompts\n")
     print("| policy | prefix cache | TTFT p50 (s) | TTFT p99 (s) | tokens/s | KV peak (MiB) | hit rate | "
-          "same tokens as cache off |")
-    print("|---|---|---:|---:|---:|---:|---:|---|")
+          "compressed-prefix hit tokens | pages copied on write | same tokens as cache off |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     off = {}
     for r in rows:
         if "refused" in r:
-            print(f"| {r['policy']} | {'on' if r['prefix_cache'] else 'off'} | refused: {r['refused']} |||||")
+            print(f"| {r['policy']} | {'on' if r['prefix_cache'] else 'off'} | refused: {r['refused']} |||||||")
             continue
         if not r["prefix_cache"]:
             off[r["policy"]] = r
@@ -251,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         rate = r["prefix_cache_hits"] / r["prefix_cache_queries"] if r["prefix_cache_queries"] else 0.0
         print(f"| {r['policy']} | {'on' if r['prefix_cache'] else 'off'} | {r['ttft_p50_s']:.3f} | "
               f"{r['ttft_p99_s']:.3f} | {r['tokens_per_s']:.1f} | {r['kv_bytes_peak'] / 2**20:.1f} | "
-              f"{rate:.1%} | {same} |")
+              f"{rate:.1%} | {r['prefix_cache_compressed_hits']} | {r['prefix_cache_unshared_pages']} | {same} |")
     for policy, r0 in off.items():
         r1 = next((r for r in rows if r["policy"] == policy and r["prefix_cache"] and "refused" not in r), None)
         if r1:

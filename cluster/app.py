@@ -35,7 +35,7 @@ class AppArgs(BaseModel):
                                          "over several steps, alternating with decode steps (running streams "
                                          "wait one chunk, not a whole prompt).")
     enable_prefix_caching: bool = Field(False, description="Share the KV pages of identical prompt prefixes "
-                                        "(system prompt, tools) between requests; kv_policy 'full' only.")
+                                        "(system prompt, tools) between requests; with pask the compressed prefix is shared too.")
     enable_jump_forward: bool = Field(False, description="Append the tokens a grammar forces (tool-call scaffold, "
                                       "keys, the rest of an enum value) without a decode step each "
                                       "(EngineConfig.enable_jump_forward; docs/results/jump_forward.md).")

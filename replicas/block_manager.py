@@ -24,6 +24,9 @@ name                  shape, dtype                  meaning
                                                     shared prefix pages included
 ``shared_pages``      [R] int64                     leading HIGH pages of every layer of the row that
                                                     belong to the prefix cache (read-only)
+``snap_pages[p]``     [R, L] int64                  leading pages of (row, layer) in precision p
+                                                    that belong to a compressed prefix of the cache
+                                                    (copied to the row before they are changed)
 ====================  ============================  ===========================================
 
 With a prefix cache (``replicas.prefix_cache``) the first ``shared_pages[row]`` HIGH pages of every
@@ -31,7 +34,10 @@ layer of a row are owned by the cache and may be referenced by several rows: ``r
 them for each row (what the row reads), ``bytes_used`` once (what the pools hold), and they are
 never written, swap-removed or returned to the free list by a row (``free`` hands them back to the
 cache). ``bytes_used`` also holds cached pages no row references until the cache evicts them
-(``evictor``: called when pages or budget run short).
+(``evictor``: called when pages or budget run short). A compressed prefix (PASK's prompt side,
+stored at its targets) is shared the same way per (layer, precision): the first
+``snap_pages[p][row, layer]`` pages; before one of their entries is demoted or released the row
+gets its own copy of them (:meth:`unshare`, copy-on-write).
 
 Page 0 of every pool is never handed out: it is the *trash* page that batched stores of entries
 that belong to another pool (or to none) write into, so a store has a fixed shape.
@@ -82,6 +88,8 @@ class BlockManager:
         self.next_position = torch.zeros(r, l, dtype=torch.int64)
         self.row_bytes = torch.zeros(r, dtype=torch.int64)
         self.shared_pages = torch.zeros(r, dtype=torch.int64)
+        self.snap_pages = {p: torch.zeros(r, l, dtype=torch.int64) for p in BITS}
+        self.num_unshared_pages = 0   # compressed-prefix pages copied by unshare (copy-on-write)
         self.bytes_used = 0
         # Set by a prefix cache: evictor(pages) frees up to ``pages`` unreferenced cached HIGH pages.
         self.evictor = None
@@ -114,16 +122,21 @@ class BlockManager:
         if row is None:
             return
         shared = int(self.shared_pages[row])
+        shared_bytes = shared * self.num_layers * self.page_costs[Precision.HIGH]
         for p in BITS:
             counts = self.num_pages[p][row]
             if int(counts.sum()):
-                mask = torch.arange(self.max_pages)[None, :] < counts[:, None]
+                ar = torch.arange(self.max_pages)[None, :]
+                mask = ar < counts[:, None]
                 if shared and p == Precision.HIGH:   # the prefix cache's pages are not the row's to free
                     mask[:, :shared] = False
+                mask &= ar >= self.snap_pages[p][row][:, None]
                 self.free_pages[p].extend(self.block_table[p][row][mask].tolist())
             counts.zero_()
             self.num_slots[p][row] = 0
-        self.bytes_used -= int(self.row_bytes[row]) - shared * self.num_layers * self.page_costs[Precision.HIGH]
+            shared_bytes += int(self.snap_pages[p][row].sum()) * self.page_costs[p]
+            self.snap_pages[p][row] = 0
+        self.bytes_used -= int(self.row_bytes[row]) - shared_bytes
         self.row_bytes[row] = 0
         self.shared_pages[row] = 0
         self.free_rows.append(row)
@@ -154,10 +167,35 @@ class BlockManager:
         self.row_bytes[row] += k * self.num_layers * self.page_costs[h]
         self.shared_pages[row] = k
 
-    def check_not_shared(self, rows: torch.Tensor, slots: torch.Tensor, p: Precision) -> None:
-        """Raise ValueError if any HIGH ``slots`` of ``rows`` (``[n]`` each) lie in shared pages."""
+    def check_not_shared(self, rows: torch.Tensor, slots: torch.Tensor, p: Precision,
+                         layers: torch.Tensor | None = None) -> None:
+        """Raise ValueError if any ``slots`` of ``rows`` (and ``layers``; ``[n]`` each) lie in
+        shared pages (a compressed prefix's must be :meth:`unshare` d first)."""
         if p == Precision.HIGH and bool((slots < self.shared_pages[rows] * self.block_size).any()):
             raise ValueError("a shared prefix page is read-only: its entries cannot be released or demoted")
+        if layers is not None and bool((slots < self.snap_pages[p][rows, layers] * self.block_size).any()):
+            raise ValueError("a compressed prefix page is shared: unshare it before changing its entries")
+
+    def unshare(self, row: int, layer: int, p: Precision):
+        """Copy-on-write: give (row, layer, p) its own pages for the compressed prefix pages it
+        shares. Returns ``(dst, src)`` pool-flat indices of the data to copy.
+
+        Raises:
+            KVCacheOutOfMemory: the copies do not fit (nothing changes).
+        """
+        n = int(self.snap_pages[p][row, layer])
+        empty = torch.empty(0, dtype=torch.int64)
+        if not n:
+            return empty, empty
+        self.check_fits(n * self.page_costs[p], f"a copy of {n} shared {p.name} pages")
+        ids = torch.tensor(self._take(p, n), dtype=torch.int64)
+        old = self.block_table[p][row, layer, :n].long()
+        self.block_table[p][row, layer, :n] = ids.to(torch.int32)
+        self.snap_pages[p][row, layer] = 0
+        self.bytes_used += n * self.page_costs[p]        # row_bytes counted them already
+        self.num_unshared_pages += n
+        ar = torch.arange(self.block_size)
+        return (ids[:, None] * self.block_size + ar).flatten(), (old[:, None] * self.block_size + ar).flatten()
 
     # ------------------------------------------------------------------ pages
     @property
@@ -234,7 +272,7 @@ class BlockManager:
         indices of the data to move (``pool[dst] = pool[src]``)."""
         n = int(self.num_slots[p][row, layer])
         if slots.numel():
-            self.check_not_shared(torch.full_like(slots, row), slots, p)
+            self.check_not_shared(torch.full_like(slots, row), slots, p, torch.full_like(slots, layer))
         drop = torch.zeros(n, dtype=torch.bool)
         drop[slots] = True
         keep_n = n - int(drop.sum())
@@ -324,8 +362,11 @@ class BlockManager:
             raise ValueError("release_one: a position is not kept")
         high = (loc & 3) == int(Precision.HIGH)
         self.check_not_shared(rows[high], (loc[high] >> 2).long(), Precision.HIGH)
-        self.location[rows, layers, positions] = -1
         prec, slot = loc & 3, (loc >> 2).long()
+        for p in BITS:
+            m = prec == int(p)
+            self.check_not_shared(rows[m], slot[m], p, layers[m])
+        self.location[rows, layers, positions] = -1
         out, bs = {}, self.block_size
         for p in BITS:
             m = prec == int(p)

@@ -22,8 +22,10 @@ class EngineConfig:
             for a whole long prompt (vLLM's option of the same name).
         enable_prefix_caching: share the KV pages of identical prompt prefixes between requests
             (vLLM's automatic prefix caching; ``replicas/prefix_cache.py``): a request whose
-            prompt starts with cached pages is prefilled from after them. Full KV only for now
-            (other policies raise ValueError at start).
+            prompt starts with cached pages is prefilled from after them. Compressing policies
+            keep their decisions (their prompt attends to a full-precision shadow of the cached
+            prefix); PASK's compressed prefix is shared between requests too. Not with
+            ``tensor_parallel_size`` > 1 (ValueError at start).
         enable_jump_forward: where the grammar forces the next text (a tool call's scaffold, a
             key, the rest of an enum value), append its tokens without a decode step each and
             feed them with the next step as one chunk (``replicas/jump_forward.py``). Only for

@@ -62,7 +62,8 @@ def build_rank(config: EngineConfig, rank: int, world_size: int, port: int, addr
     kv = KVCache(KVCacheConfig(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads // world_size,
                                head_dim=mc.head_dim, dtype=dtype, block_size=config.block_size,
                                max_bytes=config.kv_cache_bytes, device=str(device),
-                               max_num_seqs=config.max_num_seqs,
+                               # with a prefix cache a prompt in progress may have a shadow row
+                               max_num_seqs=config.max_num_seqs * (2 if config.enable_prefix_caching else 1),
                                max_model_len=config.max_model_len or mc.max_position_embeddings,
                                precisions=precisions))
     return ModelRunner(model, kv, device), kv
@@ -169,7 +170,12 @@ class LLMEngine:
         self.replica_budget = 1.0   # set by the cluster budget controller (cluster/controller.py)
         self.table_versions: dict[str, str] = {}
         if config.enable_prefix_caching:
-            self.kv.enable_prefix_cache(self._prefix_key())
+            self._enable_prefix_cache()
+
+    def _enable_prefix_cache(self) -> None:
+        spec = self.policy.spec
+        keep = spec.observation_window + (1 if spec.wants_window_ppl else 0)
+        self.kv.enable_prefix_cache(self._prefix_key(), shadow=not spec.shares_prompt_pages, keep=keep)
 
     def close(self) -> None:
         """Stop the grammar compiler process and the tensor-parallel workers."""
@@ -317,7 +323,7 @@ class LLMEngine:
         self.policy.swap_table(folder, resolve_checkpoint(self.config.model))
         self.table_versions[kind] = version
         if self.kv.prefix is not None:   # KV computed under the old table is not reused
-            self.kv.enable_prefix_cache(self._prefix_key())
+            self.kv.prefix.set_key(self._prefix_key())
 
     def _prefix_key(self) -> tuple:
         """What a cached prefix's KV depends on besides its tokens (the prefix cache's key)."""
@@ -338,7 +344,9 @@ class LLMEngine:
                 "budget": self.replica_budget, "floor": self.floor_budget,
                 "kv_bytes_prefix_cached": idle,
                 "prefix_cache_queries": prefix.queries if prefix is not None else 0,
-                "prefix_cache_hits": prefix.hits if prefix is not None else 0}
+                "prefix_cache_hits": prefix.hits if prefix is not None else 0,
+                "prefix_cache_compressed_hits": prefix.compressed_hits if prefix is not None else 0,
+                "prefix_cache_unshared_pages": self.kv.blocks.num_unshared_pages}
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its KV cache; None if it is not in flight."""
@@ -404,20 +412,26 @@ class LLMEngine:
             plan = kv.plan_decode([s.request_id for s in decode], positions, targets)
         w = spec.observation_window
         keep_hidden = min(w, self.max_model_len) + 1 if spec.wants_window_ppl and w else 0
-        chunks = []
+        chunks, copies = [], []
         for item in work:
             seq = item.seq
+            shadow = kv.shadow_of(seq.request_id)
             if seq.prefill_state is None:   # its first chunk (after a cached prefix, if any)
                 seq.num_forced_pending = 0   # (a recompute prefills forced tokens with the rest)
                 seq.prefill_state = {"targets": self.policy.prefill_targets(seq, kv), "queries": {}, "hidden": None}
+                if shadow is not None and item.start:   # a hit: its own copy of the prefix, at its targets
+                    copies.append((seq.request_id, item.start, seq.prefill_state["targets"]))
             targets = seq.prefill_state["targets"]
             chunks.append(PrefillChunk(seq.request_id, seq.all_token_ids[item.start:item.end], item.start,
-                                       None if targets is None else targets[item.start:item.end], item.is_last))
+                                       None if targets is None else targets[item.start:item.end], item.is_last,
+                                       shadow))
         for seq in jumps:
             n, k = seq.num_tokens, seq.num_forced_pending + 1
             chunks.append(PrefillChunk(seq.request_id, seq.all_token_ids[n - k:], n - k,
                                        self._forced_targets(seq, n - k, n), True))
         try:
+            for rid, n, targets in copies:
+                kv.copy_prefix(rid, n, targets)
             logits, queries, results = self.runner.forward(decode, plan, chunks, spec.record_decode_queries,
                                                            w, keep_hidden)
         except KVCacheOutOfMemory:   # the pool filled mid-forward: the step's sequences recompute later
@@ -460,6 +474,7 @@ class LLMEngine:
                 k = min(w, n - 1)
                 ppl = self.runner.window_ppl(state["hidden"][-k - 1:], seq.all_token_ids[-k:])
             seq.prefilled, seq.prefill_state = True, None
+            kv.drop_shadow(seq.request_id)
             view = PrefillView(seq, kv, n, state["queries"], seq.kv_budget, ppl)
             try:
                 for a in self.policy.on_prefill(view):

@@ -153,27 +153,91 @@ class KVCache:
         self.device = torch.device(cfg.device)
         self.prefix = None   # replicas.prefix_cache.PrefixCache, when enabled
 
-    def enable_prefix_cache(self, key) -> None:
-        """Share full-KV prefix pages between sequences (``replicas.prefix_cache``); ``key``
-        names the model, policy and tables (a new key invalidates every entry)."""
+    def enable_prefix_cache(self, key, shadow: bool = False, keep: int = 1) -> None:
+        """Share prompt-prefix KV between sequences (``replicas.prefix_cache``); ``key`` names the
+        model, policy and tables (a new key invalidates every entry). ``shadow``: the policy
+        compresses its prompt, so each prompt in progress has a full-precision shadow row that
+        shares the cached pages and that its chunks attend to; the sequence's own row gets the
+        prefix copied at its targets. ``keep``: tokens at a prompt's end never taken from the
+        cache (the policy's observation window is computed)."""
         from replicas.prefix_cache import PrefixCache
         if self.prefix is None:
             self.prefix = PrefixCache(self.blocks, key)
         else:
             self.prefix.set_key(key)
+        self.prefix.shadow, self.prefix.keep = shadow, max(1, keep)
 
     def prefix_hit(self, token_ids: list[int]) -> tuple[int, int]:
         """``(tokens of token_ids cached, bytes of those cached pages now evictable)``."""
-        return (0, 0) if self.prefix is None else self.prefix.peek(token_ids)
+        return (0, 0) if self.prefix is None else self.prefix.peek(token_ids, self.prefix.keep)
 
     def attach_prefix(self, seq_id, token_ids: list[int]) -> int:
-        """Give the new ``seq_id`` the cached prefix of ``token_ids``; returns its tokens (0 without a cache)."""
-        return 0 if self.prefix is None else self.prefix.attach(seq_id, token_ids)
+        """Give the new ``seq_id`` the cached prefix of ``token_ids`` (in shadow mode: give it a
+        shadow row that holds it); returns its tokens (0 without a cache)."""
+        if self.prefix is None:
+            return 0
+        if not self.prefix.shadow:
+            return self.prefix.attach(seq_id, token_ids, self.prefix.keep)
+        from replicas.prefix_cache import shadow_id
+        self.blocks.add(shadow_id(seq_id))
+        return self.prefix.attach(shadow_id(seq_id), token_ids, self.prefix.keep)
+
+    def shadow_of(self, seq_id):
+        """The row id of ``seq_id``'s full-precision shadow while its prompt is prefilled, or None."""
+        if self.prefix is None or not self.prefix.shadow:
+            return None
+        from replicas.prefix_cache import shadow_id
+        sid = shadow_id(seq_id)
+        return sid if sid in self.blocks.rows else None
+
+    def copy_prefix(self, seq_id, num_tokens: int, targets: torch.Tensor | None) -> None:
+        """Store positions ``0 .. num_tokens - 1`` of ``seq_id``'s shadow (a cache hit) in its own
+        row, at ``targets [>= num_tokens, L]`` Precision values per layer (None: HIGH): what a
+        prefill of those tokens would have stored, from the same full-precision KV.
+
+        Raises:
+            KVCacheOutOfMemory: the copy does not fit (the row may hold part of it).
+        """
+        sid, pos = self.shadow_of(seq_id), torch.arange(num_tokens)
+        key = None
+        if targets is not None:   # stored at targets known now (PASK): the compressed form is shared
+            key = self.prefix.snapshot_key(sid, num_tokens, targets)
+            moves = self.prefix.attach_snapshot(seq_id, key)
+            if moves is not None:
+                self._copy_moves(moves)
+                return
+        for layer in range(self.cfg.num_layers):
+            _, k, v = self.gather(sid, layer)
+            self.append(seq_id, layer, pos, k[:num_tokens], v[:num_tokens],
+                        Precision.HIGH if targets is None else targets[:num_tokens, layer])
+        if key is not None:
+            self._copy_moves(self.prefix.register_snapshot(seq_id, key, num_tokens))
+
+    def _copy_moves(self, moves: dict) -> None:
+        for p, (dst, src) in moves.items():
+            self._zero_fresh(p)
+            self._move(p, dst, src)
+
+    def _unshare(self, row: int, layer: int, p: Precision, slots: torch.Tensor) -> None:
+        """Copy-on-write before ``slots`` of (row, layer, p) change: if any lies in a shared
+        compressed-prefix page, the row gets its own copies of those pages."""
+        b = self.blocks
+        if slots.numel() and int(b.snap_pages[p][row, layer]) and \
+                bool((slots < b.snap_pages[p][row, layer] * b.block_size).any()):
+            self._copy_moves({p: b.unshare(row, layer, p)})
 
     def cache_prefix(self, seq_id, token_ids: list[int], num_computed: int) -> None:
-        """Cache ``seq_id``'s full pages of ``token_ids[:num_computed]`` (no-op without a cache)."""
+        """Cache ``seq_id``'s (or its shadow's) full pages of ``token_ids[:num_computed]`` (no-op
+        without a cache)."""
         if self.prefix is not None:
-            self.prefix.register(seq_id, token_ids, num_computed)
+            self.prefix.register(self.shadow_of(seq_id) or seq_id, token_ids, num_computed)
+
+    def drop_shadow(self, seq_id) -> None:
+        """Free ``seq_id``'s shadow (its prompt is in the cache; its cached pages stay cached)."""
+        sid = self.shadow_of(seq_id)
+        if sid is not None:
+            self.prefix.release(sid)
+            self.blocks.free(sid)
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -252,6 +316,7 @@ class KVCache:
 
     def free_sequence(self, seq_id) -> None:
         if self.prefix is not None:
+            self.drop_shadow(seq_id)
             self.prefix.release(seq_id)
         self.blocks.free(seq_id)
 
@@ -383,6 +448,7 @@ class KVCache:
             self._zero_fresh(precision)
         for _, p in firsts:
             m = src == int(p)
+            self._unshare(row, layer, p, slot[m])
             flat = b.flat_slots(row, layer, p, slot[m])
             if precision != Precision.RELEASED:
                 k, v = self._read(p, flat)
@@ -394,6 +460,13 @@ class KVCache:
     def release_one(self, seq_rows: torch.Tensor, layers: torch.Tensor, positions: torch.Tensor) -> None:
         """Release one kept entry per (row, layer) pair, the pairs distinct, in one batched
         swap-remove (what ``set_precision(..., RELEASED)`` does for a single position)."""
+        b = self.blocks
+        if any(bool(t.any()) for t in b.snap_pages.values()):
+            loc = b.location[seq_rows, layers, positions]
+            for i in range(loc.numel()):
+                if int(loc[i]) >= 0:
+                    self._unshare(int(seq_rows[i]), int(layers[i]), Precision(int(loc[i]) & 3),
+                                  torch.tensor([int(loc[i]) >> 2]))
         for p, (dst, src) in self.blocks.release_one(seq_rows, layers, positions).items():
             self._move(p, dst, src)
 

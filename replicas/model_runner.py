@@ -19,12 +19,15 @@ from replicas.sequence import Sequence
 @dataclass(frozen=True)
 class PrefillChunk:
     """Tokens ``token_ids`` at positions ``start ...`` of sequence ``seq_id``; ``targets``:
-    ``[n, L]`` Precision values to store them at (None: HIGH); ``is_last``: the prompt ends here."""
+    ``[n, L]`` Precision values to store them at (None: HIGH); ``is_last``: the prompt ends here;
+    ``attend_id``: a full-precision shadow row (prefix caching of a compressing policy) that the
+    chunk attends to instead of ``seq_id``'s row, and stores its KV in at HIGH as well."""
     seq_id: str
     token_ids: list[int]
     start: int
     targets: torch.Tensor | None = None
     is_last: bool = True
+    attend_id: object = None
 
 
 class PrefillResult(NamedTuple):
@@ -87,12 +90,14 @@ class ModelRunner:
                 a, b = bounds[i], bounds[i + 1]
                 qc, kc, vc = q[a:b], k[a:b], v[a:b]
                 if c.start:
-                    _, prior_k, prior_v = kv.gather(c.seq_id, layer)
+                    _, prior_k, prior_v = kv.gather(c.attend_id or c.seq_id, layer)
                     outs.append(prefix_causal_attention(qc, kc, vc, prior_k, prior_v))
                 else:
                     outs.append(causal_attention(qc, kc, vc))
                 kv.append(c.seq_id, layer, range(c.start, c.start + b - a), kc, vc,
                           Precision.HIGH if c.targets is None else c.targets[:, layer])
+                if c.attend_id is not None:
+                    kv.append(c.attend_id, layer, range(c.start, c.start + b - a), kc, vc)
                 if observation_window:
                     queries[i][layer] = qc[-observation_window:].clone()
             return outs[0] if len(outs) == 1 else torch.cat(outs)

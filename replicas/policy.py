@@ -51,6 +51,10 @@ class PolicySpec:
             whose targets come from each token's tag). Policies that score or evict per decode
             step (StreamingLLM, H2O, SnapKV, ...) leave it False and decode forced tokens one
             step each.
+        shares_prompt_pages: prompt entries stay where prefill wrote them (HIGH, slot order, never
+            released or demoted), so a prefix cache shares its pages in place (full KV). Any other
+            policy gets a cached prefix as a full-precision *shadow* that its prompt's chunks
+            attend to, and its own copy of the prefix at its targets (``replicas.prefix_cache``).
     """
     needs_tags: bool = False
     observation_window: int = 0
@@ -61,6 +65,7 @@ class PolicySpec:
     precisions: tuple[Precision, ...] = (Precision.HIGH,)
     compresses_chunks: bool = False
     forced_chunks: bool = False
+    shares_prompt_pages: bool = False
 
 
 @dataclass(frozen=True)
@@ -131,6 +136,7 @@ class KVPolicy:
     precisions: tuple[Precision, ...] = (Precision.HIGH,)
     compresses_chunks = False
     forced_chunks = False
+    shares_prompt_pages = False
     floor_cost = 0.0   # expected KV fraction at the policy's floors (0: no floors)
 
     @property
@@ -139,7 +145,7 @@ class KVPolicy:
         return PolicySpec(self.needs_tags, self.observation_window, self.wants_window_ppl,
                           self.record_decode_queries, bool(self.prompt_only), tuple(self.table_kinds),
                           tuple(self.precisions), bool(self.compresses_chunks),
-                          bool(self.forced_chunks))
+                          bool(self.forced_chunks), bool(self.shares_prompt_pages))
 
     def bind_model(self, model_dir) -> None:
         """Load what the policy needs for the served model (tables); default: nothing."""
@@ -201,6 +207,7 @@ class FullKV(KVPolicy):
     """Keep every entry at HIGH precision (the reference policy)."""
     name = "full"
     forced_chunks = True
+    shares_prompt_pages = True
 
     def check(self, num_prompt_tokens, budget, kv):
         if budget < 1.0:

@@ -26,9 +26,15 @@ after the same prefix under the same model and tables: the same KV.
   key is dropped; unreferenced pages are freed at once, referenced ones when their last
   sequence lets go.
 
-Only full-KV sequences share pages: a shared page is never written, swap-removed or demoted
-(the block manager refuses), and every other policy releases or demotes prompt entries inside
-pages (``check_policy``).
+Full KV shares cached pages in place: a shared page is never written, swap-removed or demoted
+(the block manager refuses). A compressing policy (``PolicySpec.shares_prompt_pages`` False)
+releases or demotes prompt entries inside pages, so its prompt in progress has a *shadow* row
+that holds the cached blocks and the prompt at HIGH (its chunks attend to it: the same KV as a
+whole-prompt prefill), and its own row gets the prefix copied at its targets
+(``KVCache.copy_prefix``). Where those targets are known before the forward (PASK's prompt
+side), the copy is itself cached (:class:`CompressedPrefix`, keyed by the chain and the targets)
+and later hits share its full pages per (layer, precision), copied on write
+(``BlockManager.unshare``) before one of their entries is demoted or released.
 """
 
 from __future__ import annotations
@@ -39,22 +45,19 @@ from dataclasses import dataclass
 
 import torch
 
-from replicas.block_manager import BlockManager
-from replicas.precision import Precision
-
-# Policies whose prompt entries stay where prefill wrote them (HIGH, slot order, never released).
-SHAREABLE_POLICIES = ("full",)
-
+from replicas.block_manager import BlockManager, loc_of
+from replicas.precision import BITS, Precision
 
 def check_policy(name: str, tensor_parallel_size: int = 1) -> None:
-    """Raises ValueError: prefix caching is not supported for this policy or tensor parallelism."""
-    if name not in SHAREABLE_POLICIES:
-        raise ValueError(f"enable_prefix_caching supports kv_policy {', '.join(map(repr, SHAREABLE_POLICIES))} "
-                         f"only, not {name!r}: it releases or demotes prompt entries inside pages, and a "
-                         f"shared prefix page is read-only (compressed prefix reuse is not built yet)")
+    """Raises ValueError: prefix caching is not supported with tensor parallelism."""
     if tensor_parallel_size != 1:
         raise ValueError("enable_prefix_caching is not supported with tensor_parallel_size > 1 yet "
                          "(the workers' block managers do not mirror the cache)")
+
+
+def shadow_id(seq_id) -> tuple:
+    """The block-manager row id of ``seq_id``'s full-precision shadow (see the module docstring)."""
+    return ("shadow", seq_id)
 
 
 @dataclass(eq=False)
@@ -63,6 +66,26 @@ class CachedBlock:
     ``stale``: dropped from the lookup table (old key), freed when ``refs`` reaches 0."""
     hash: bytes
     pages: torch.Tensor
+    refs: int = 0
+    stale: bool = False
+
+
+@dataclass(eq=False)
+class CompressedPrefix:
+    """A prompt prefix of ``num_tokens`` tokens as a compressing policy stores it (PASK's prompt
+    side: each (token, layer) at its target precision), shared by the rows that attach it.
+
+    Per precision p: ``counts[p] [L]`` int64 entries of each layer, positions ascending in
+    ``positions[p] [L, max n]`` int32; ``pages[p] [L, ceil(max n / bs)]`` int32 page ids, the
+    full ones shared in place and, where ``counts % bs``, a last *tail* page that only the
+    cache holds (a row gets its own copy of it, since the row goes on filling that page).
+    ``nbytes``: what the cache's pages of it cost."""
+    key: bytes
+    num_tokens: int
+    counts: dict
+    positions: dict
+    pages: dict
+    nbytes: int
     refs: int = 0
     stale: bool = False
 
@@ -85,7 +108,12 @@ class PrefixCache:
         self.table: dict[bytes, CachedBlock] = {}
         self.idle: OrderedDict[bytes, CachedBlock] = OrderedDict()   # refs == 0, LRU first
         self.seq_blocks: dict[object, list[CachedBlock]] = {}
+        self.snapshots: dict[bytes, CompressedPrefix] = {}
+        self.idle_snapshots: OrderedDict[bytes, CompressedPrefix] = OrderedDict()   # refs == 0, LRU first
+        self.seq_snapshot: dict[object, CompressedPrefix] = {}
         self.queries = self.hits = 0
+        self.compressed_hits = 0   # prompt tokens attached from a compressed prefix
+        self.shadow, self.keep = False, 1   # set by KVCache.enable_prefix_cache
         self._block_cost = blocks.num_layers * blocks.page_costs[Precision.HIGH]
         blocks.evictor = self.evict
 
@@ -106,13 +134,20 @@ class PrefixCache:
                 self._free(block)
         self.table.clear()
         self.idle.clear()
+        for snap in self.snapshots.values():
+            if snap.refs:
+                snap.stale = True
+            else:
+                self._free_snapshot(snap)
+        self.snapshots.clear()
+        self.idle_snapshots.clear()
 
     # ------------------------------------------------------------------ lookup
-    def match(self, token_ids: list[int]) -> list[CachedBlock]:
-        """The longest chain of cached blocks at the start of ``token_ids``, leaving at least one
-        token uncached."""
+    def match(self, token_ids: list[int], keep: int = 1) -> list[CachedBlock]:
+        """The longest chain of cached blocks at the start of ``token_ids``, leaving at least
+        ``keep`` (>= 1) tokens uncached (a policy's observation window is computed, not cached)."""
         out, parent = [], b""
-        for j in range((len(token_ids) - 1) // self.bs):
+        for j in range(max(0, len(token_ids) - max(1, keep)) // self.bs):
             h = self._hash(parent, token_ids[j * self.bs:(j + 1) * self.bs])
             block = self.table.get(h)
             if block is None:
@@ -121,16 +156,16 @@ class PrefixCache:
             parent = h
         return out
 
-    def peek(self, token_ids: list[int]) -> tuple[int, int]:
+    def peek(self, token_ids: list[int], keep: int = 1) -> tuple[int, int]:
         """``(tokens cached, bytes of those blocks now unreferenced)`` for ``token_ids``, without
         taking them (admission: the idle ones are counted as free until taken)."""
-        blocks = self.match(token_ids)
+        blocks = self.match(token_ids, keep)
         return len(blocks) * self.bs, sum(b.refs == 0 for b in blocks) * self._block_cost
 
-    def attach(self, seq_id, token_ids: list[int]) -> int:
+    def attach(self, seq_id, token_ids: list[int], keep: int = 1) -> int:
         """Give the freshly added ``seq_id`` the cached prefix of ``token_ids``; returns the
         number of tokens it need not prefill (a multiple of ``block_size``; 0 on a miss)."""
-        blocks = self.match(token_ids)
+        blocks = self.match(token_ids, keep)
         self.queries += len(token_ids)
         self.hits += len(blocks) * self.bs
         self.seq_blocks[seq_id] = blocks
@@ -170,6 +205,14 @@ class PrefixCache:
     def release(self, seq_id) -> None:
         """Drop ``seq_id``'s references (before its row is freed); unreferenced blocks become
         evictable, its last block first."""
+        snap = self.seq_snapshot.pop(seq_id, None)
+        if snap is not None:
+            snap.refs -= 1
+            if snap.refs == 0:
+                if snap.stale:
+                    self._free_snapshot(snap)
+                else:
+                    self.idle_snapshots[snap.key] = snap
         for block in reversed(self.seq_blocks.pop(seq_id, [])):
             block.refs -= 1
             if block.refs == 0:
@@ -178,22 +221,140 @@ class PrefixCache:
                 else:
                     self.idle[block.hash] = block
 
+    # ------------------------------------------------------------------ compressed prefixes
+    def snapshot_key(self, shadow, num_tokens: int, targets: torch.Tensor) -> bytes:
+        """Key of the compressed form of ``shadow``'s cached prefix (its first ``num_tokens``,
+        the blocks it attached) at ``targets [num_tokens, L]``: the same tokens after the same
+        blocks, stored at the same precision in every layer, is the same compressed KV."""
+        blocks = self.seq_blocks.get(shadow, [])
+        if len(blocks) * self.bs != num_tokens:
+            raise RuntimeError(f"{shadow!r}: {num_tokens} tokens are not its {len(blocks)} cached blocks")
+        h = hashlib.blake2b(blocks[-1].hash, digest_size=16)
+        h.update(targets[:num_tokens].to(torch.int8).contiguous().numpy().tobytes())
+        return h.digest()
+
+    def attach_snapshot(self, seq_id, key: bytes) -> dict | None:
+        """Give the freshly added, empty ``seq_id`` the compressed prefix ``key`` (None: not cached):
+        its full pages shared, a private copy of each tail page. Returns ``{p: (dst, src)}``
+        pool-flat indices of the tail data to copy.
+
+        Raises:
+            KVCacheOutOfMemory: the tail pages do not fit (nothing changes).
+        """
+        snap = self.snapshots.get(key)
+        if snap is None:
+            return None
+        b, bs = self.blocks, self.bs
+        row = b.rows[seq_id]
+        tails = {p: (snap.counts[p] % bs > 0) for p in snap.counts}
+        b.check_fits(sum(int(t.sum()) * b.page_costs[p] for p, t in tails.items()), "a compressed prefix's tail pages")
+        moves = {}
+        for p, counts in snap.counts.items():
+            full = counts // bs
+            new = iter(b._take(p, int(tails[p].sum())))
+            dst, src = [], []
+            for layer in range(b.num_layers):
+                n, f = int(counts[layer]), int(full[layer])
+                if not n:
+                    continue
+                pages = snap.pages[p][layer, :f + int(tails[p][layer])].clone()
+                if tails[p][layer]:
+                    tail = next(new)
+                    dst.append(tail * bs + torch.arange(n - f * bs))
+                    src.append(int(pages[f]) * bs + torch.arange(n - f * bs))
+                    pages[f] = tail
+                b.block_table[p][row, layer, :len(pages)] = pages
+                b.num_pages[p][row, layer] = len(pages)
+                b.num_slots[p][row, layer] = n
+                pos = snap.positions[p][layer, :n]
+                b.slot_position[p][row, layer, :n] = pos
+                b.location[row, layer, pos.long()] = loc_of(torch.arange(n), p)
+                b.snap_pages[p][row, layer] = f
+                b.row_bytes[row] += len(pages) * b.page_costs[p]
+            num_tails = int(tails[p].sum())
+            b.bytes_used += num_tails * b.page_costs[p]
+            if dst:
+                moves[p] = (torch.cat(dst), torch.cat(src))
+        b.next_position[row] = snap.num_tokens
+        if snap.refs == 0:
+            self.idle_snapshots.pop(key, None)
+        snap.refs += 1
+        self.seq_snapshot[seq_id] = snap
+        self.compressed_hits += snap.num_tokens
+        return moves
+
+    def register_snapshot(self, seq_id, key: bytes, num_tokens: int) -> dict:
+        """Share ``seq_id``'s row, which holds exactly its first ``num_tokens`` positions (stored
+        at its targets, each (layer, precision) in position order), as the compressed prefix
+        ``key``: its full pages become the cache's (shared in place), each tail page is copied
+        into a page of the cache's own. Returns ``{p: (dst, src)}`` of the tail data to copy.
+        A key already cached (or pages that do not fit) registers nothing.
+        """
+        b, bs = self.blocks, self.bs
+        row = b.rows[seq_id]
+        if key in self.snapshots or seq_id in self.seq_snapshot:
+            return {}
+        if bool((b.next_position[row] != num_tokens).any()):
+            raise RuntimeError(f"{seq_id!r}: the row holds more than its {num_tokens}-token prefix")
+        counts = {p: b.num_slots[p][row].clone() for p in BITS if int(b.num_slots[p][row].sum())}
+        tails = {p: c % bs > 0 for p, c in counts.items()}
+        cost = sum(int(t.sum()) * b.page_costs[p] for p, t in tails.items())
+        if cost > b.bytes_free:
+            return {}
+        moves, pages, positions, nbytes = {}, {}, {}, cost
+        for p, c in counts.items():
+            width = int((-(-c // bs)).max())
+            pages[p] = b.block_table[p][row, :, :width].clone()
+            positions[p] = b.slot_position[p][row, :, :int(c.max())].clone()
+            new = iter(b._take(p, int(tails[p].sum())))
+            dst, src = [], []
+            for layer in range(b.num_layers):
+                n, f = int(c[layer]), int(c[layer]) // bs
+                if n % bs:
+                    tail = next(new)
+                    dst.append(tail * bs + torch.arange(n - f * bs))
+                    src.append(int(pages[p][layer, f]) * bs + torch.arange(n - f * bs))
+                    pages[p][layer, f] = tail
+            b.snap_pages[p][row] = c // bs
+            nbytes += int((c // bs).sum()) * b.page_costs[p]
+            if dst:
+                moves[p] = (torch.cat(dst), torch.cat(src))
+        b.bytes_used += cost
+        snap = CompressedPrefix(key, num_tokens, counts, positions, pages, nbytes, refs=1)
+        self.snapshots[key] = snap
+        self.seq_snapshot[seq_id] = snap
+        return moves
+
+    def _free_snapshot(self, snap: CompressedPrefix) -> None:
+        b, bs = self.blocks, self.bs
+        for p, c in snap.counts.items():
+            n_pages = -(-c // bs)
+            for layer in range(b.num_layers):
+                b.free_pages[p].extend(snap.pages[p][layer, :int(n_pages[layer])].tolist())
+        b.bytes_used -= snap.nbytes
+
     # ------------------------------------------------------------------ eviction
     @property
     def idle_bytes(self) -> int:
-        """Bytes of cached blocks no sequence references (evictable)."""
-        return len(self.idle) * self._block_cost
+        """Bytes of cached blocks and compressed prefixes no sequence references (evictable)."""
+        return len(self.idle) * self._block_cost + sum(s.nbytes for s in self.idle_snapshots.values())
 
     @property
     def cached_bytes(self) -> int:
         """Bytes of every cached block, referenced or not (stale ones still referenced included)."""
+        snaps = {id(x): x for x in self.seq_snapshot.values()} | {id(x): x for x in self.snapshots.values()}
         return len({id(b) for bl in self.seq_blocks.values() for b in bl} | {id(b) for b in self.table.values()}) \
-            * self._block_cost
+            * self._block_cost + sum(x.nbytes for x in snaps.values())
 
     def evict(self, num_pages: int) -> int:
         """Free least recently used unreferenced blocks until ``num_pages`` HIGH pages are free
         (or none is left); returns the pages freed."""
-        freed = 0
+        freed, high = 0, self.blocks.page_costs[Precision.HIGH]
+        while freed < num_pages and self.idle_snapshots:     # a compressed prefix first: it is only
+            _, snap = self.idle_snapshots.popitem(last=False)  # reached through its cached blocks
+            del self.snapshots[snap.key]
+            self._free_snapshot(snap)
+            freed += snap.nbytes // high
         while freed < num_pages and self.idle:
             _, block = self.idle.popitem(last=False)
             del self.table[block.hash]
@@ -223,14 +384,38 @@ class PrefixCache:
         for i, block in live.items():
             assert block.refs == refs.get(i, 0), f"refs {block.refs} != {refs.get(i, 0)}"
             assert (block.refs == 0) == (block.hash in self.idle and not block.stale), "idle list"
-        rows_bytes = sum(int(b.row_bytes[r]) - int(b.shared_pages[r]) * self._block_cost for r in b.rows.values())
-        assert b.bytes_used == rows_bytes + len(live) * self._block_cost, "bytes_used"
+        snaps = {id(x): x for x in self.seq_snapshot.values()} | {id(x): x for x in self.snapshots.values()}
+        snap_refs: dict[int, int] = {}
+        for seq_id, snap in self.seq_snapshot.items():
+            snap_refs[id(snap)] = snap_refs.get(id(snap), 0) + 1
+        for i, snap in snaps.items():
+            assert snap.refs == snap_refs.get(i, 0), f"snapshot refs {snap.refs} != {snap_refs.get(i, 0)}"
+            assert (snap.refs == 0) == (snap.key in self.idle_snapshots and not snap.stale), "idle snapshots"
+            for p, c in snap.counts.items():
+                full = c // self.bs
+                for seq_id, s2 in self.seq_snapshot.items():
+                    if s2 is snap:   # a row shares a prefix of the snapshot's full pages (fewer once unshared)
+                        r = b.rows[seq_id]
+                        k = b.snap_pages[p][r]
+                        assert bool((k <= full).all()), "a row shares more pages than the snapshot has"
+                        for lay in range(b.num_layers):
+                            assert torch.equal(b.block_table[p][r, lay, :int(k[lay])], snap.pages[p][lay, :int(k[lay])]), \
+                                "shared compressed pages"
+        rows_bytes = sum(int(b.row_bytes[r]) - int(b.shared_pages[r]) * self._block_cost
+                         - sum(int(b.snap_pages[p][r].sum()) * b.page_costs[p] for p in BITS) for r in b.rows.values())
+        assert b.bytes_used == rows_bytes + len(live) * self._block_cost + sum(x.nbytes for x in snaps.values()), \
+            "bytes_used"
         for p in b.free_pages:
             held = [int(x) for r in b.rows.values() for lay in range(b.num_layers)
-                    for x in b.block_table[p][r, lay, int(b.shared_pages[r]) if p == Precision.HIGH else 0:
+                    for x in b.block_table[p][r, lay, max(int(b.shared_pages[r]) if p == Precision.HIGH else 0,
+                                                          int(b.snap_pages[p][r, lay])):
                                               int(b.num_pages[p][r, lay])]]
             if p == Precision.HIGH:
                 held += [int(x) for blk in live.values() for x in blk.pages]
+            for snap in snaps.values():
+                if p in snap.counts:
+                    n_pages = -(-snap.counts[p] // self.bs)
+                    held += [int(x) for lay in range(b.num_layers) for x in snap.pages[p][lay, :int(n_pages[lay])]]
             assert len(set(held)) == len(held), f"{p.name}: a page held twice"
             assert not set(held) & set(b.free_pages[p]), f"{p.name}: a held page is free"
             assert len(set(b.free_pages[p])) == len(b.free_pages[p]), f"{p.name}: a page freed twice"

@@ -21,7 +21,9 @@ getting a token per step (each step as slow as its chunk).
 
 With a prefix cache (``replicas.prefix_cache``) an admitted sequence starts with the cached pages
 of its prompt's prefix and is prefilled from there; those pages are not counted again, and
-cached pages no sequence references count as free (they are evicted when needed).
+cached pages no sequence references count as free (they are evicted when needed). A compressing
+policy's prompt in progress also holds a full-precision shadow of itself (its chunks attend to
+it; its full pages become the cached prefix), counted as transient.
 
 Before a decode step, a sequence whose next token needs new pages that the pool cannot give
 preempts the most recently admitted running sequences: their cache is freed and they wait at the
@@ -125,14 +127,17 @@ class Scheduler:
         decoding = out.decode if chunked else [s for s in self.running if s.prefilled]
         reserve = self.kv.next_step_bytes([s.request_id for s in decoding])
         budget_tokens = self.cfg.max_num_batched_tokens - len(out.decode)
-        per_chunk = chunked and self.cfg.compresses_chunks   # a prompt holds <= compressed + one chunk
+        # With a prefix cache, a compressing policy's prompt in progress also has a full-precision
+        # shadow (``KVCache.attach_prefix``): up to its full size, less its cached prefix.
+        shadow = self.kv.prefix is not None and self.kv.prefix.shadow
+        per_chunk = chunked and self.cfg.compresses_chunks and not shadow   # <= compressed + one chunk
         held, transient = 0, 0
         for seq in self.running:    # prompts in progress: their next chunk, and what they still need
             if seq.prefilled:
                 continue
             full, compressed = self._sizes(seq)
             held += max(0, compressed - self.kv.sequence_bytes(seq.request_id))
-            transient += 0 if per_chunk else full - compressed
+            transient += 0 if per_chunk else full - compressed + (full if shadow else 0)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget_tokens)
             if n > 0 and reserve + self._chunk_bytes(n) <= self.kv.bytes_free:
                 out.prefill.append(PrefillWork(seq, seq.num_computed_tokens, seq.num_computed_tokens + n))
@@ -144,9 +149,11 @@ class Scheduler:
             # A cached prefix (full KV) is held already: not needed again, but its pages that no
             # sequence references, counted free until now, stop being evictable.
             hit, idle = self.kv.prefix_hit(seq.all_token_ids)
-            hit_bytes = self.kv.full_kv_bytes(hit)
+            hit_bytes = 0 if shadow else self.kv.full_kv_bytes(hit)   # a shadow's row copies its prefix
             first = min(seq.num_tokens - hit, budget_tokens) if chunked else seq.num_tokens - hit
             extra = self._chunk_bytes(first) if per_chunk else full - compressed
+            if shadow:
+                extra += full - self.kv.full_kv_bytes(hit)
             if reserve + held + max(0, compressed - hit_bytes) + transient + extra > self.kv.bytes_free - idle:
                 break
             if out.prefill and seq.num_tokens - hit > budget_tokens and not chunked:

@@ -64,8 +64,8 @@ def test_api_key_sources(tmp_path, monkeypatch):
         resolve_api_key(AppArgs(api_key_file=str(tmp_path / "nope")))
 
 
-def test_prefix_caching_is_an_app_arg_refused_for_policies_that_cannot_share():
+def test_prefix_caching_is_an_app_arg_refused_with_tensor_parallelism():
     from cluster.app import build_app
     assert AppArgs(enable_prefix_caching=True).enable_prefix_caching and not AppArgs().enable_prefix_caching
-    with pytest.raises(ValueError, match="enable_prefix_caching supports kv_policy 'full' only, not 'pask'"):
-        build_app({"kv_policy": "pask", "enable_prefix_caching": True})   # before any replica starts
+    with pytest.raises(ValueError, match="not supported with tensor_parallel_size > 1"):
+        build_app({"kv_policy": "pask", "enable_prefix_caching": True, "tensor_parallel_size": 2})   # before any replica starts

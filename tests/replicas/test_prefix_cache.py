@@ -168,9 +168,102 @@ def test_eviction_makes_room_for_a_miss(engine, shared_prompts, chat_prompts):
     eng.kv.prefix.audit()
 
 
-def test_policies_that_release_prompt_entries_are_refused():
-    with pytest.raises(ValueError, match="enable_prefix_caching supports kv_policy 'full' only, not 'pask'"):
-        LLMEngine(EngineConfig(kv_policy="pask", kv_budget=0.33, enable_prefix_caching=True))
+@pytest.mark.parametrize("policy", ["pask", "snapkv", "compilerkv+pask"])
+def test_compressing_policies_hit_and_give_a_miss_tokens(shared_prompts, policy):
+    """A compressing policy's prompt attends to a full-precision shadow that shares the cached
+    pages, and stores its own copy of the prefix at its targets: the tokens are those of the
+    cache off (whole-prompt prefill)."""
+    kw = {"kv_policy": policy, "kv_budget": 0.33}
+    want = [o.token_ids for o in LLMEngine(EngineConfig(kv_cache_bytes=64 << 20, max_num_seqs=8, **kw))
+            .generate(shared_prompts, GREEDY)]
+    eng = _cached(**kw)
+    got = eng.generate(shared_prompts[:1], GREEDY) + eng.generate(shared_prompts[1:], GREEDY)
+    assert [o.token_ids for o in got] == want
+    s = eng.stats()
+    common = (len(shared_prompts[0]) - 30) // 16 * 16
+    window = eng.policy.spec.observation_window                      # computed, never taken from the cache
+    assert 3 * (common - window - 16) <= s["prefix_cache_hits"] <= 3 * common
+    assert s["kv_bytes_used"] == 0 and not any(isinstance(r, tuple) for r in eng.kv.blocks.rows)   # no shadow left
+    eng.kv.prefix.audit()
+
+
+def test_h2o_never_hits(shared_prompts):
+    """H2O scores the prompt with every prompt query: none of it may come from the cache."""
+    eng = _cached(kv_policy="h2o", kv_budget=0.33)
+    eng.generate(shared_prompts[:1], SamplingParams(max_tokens=1))
+    assert eng.kv.prefix.table and eng.kv.prefix_hit(shared_prompts[1]) == (0, 0)
+
+
+@pytest.fixture(scope="module")
+def same_state_prompts(chat_prompts):
+    """Five prompts that differ only in their last token: PASK picks the same table state and the
+    same targets for their common prefix."""
+    base = (chat_prompts[1] + chat_prompts[5])[:400] + chat_prompts[0][-40:]
+    return [base[:-1] + [t] for t in (base[-1], 11, 12, 13, 14)]
+
+
+def test_pask_requests_share_one_compressed_prefix(same_state_prompts):
+    kw = {"kv_policy": "pask", "kv_budget": 0.33}
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    want = [o.token_ids for o in LLMEngine(EngineConfig(kv_cache_bytes=64 << 20, max_num_seqs=8, **kw))
+            .generate(same_state_prompts, params)]
+    eng = _cached(**kw)
+    got = [eng.generate(same_state_prompts[:1], params)[0].token_ids]   # a miss: fills the full-KV cache
+    for i, p in enumerate(same_state_prompts[1:]):
+        eng.add_request(f"r{i}", p, params)
+    eng.step()                                                           # r0 compresses the prefix, r1-r3 attach it
+    kv, prefix = eng.kv, eng.kv.prefix
+    assert len(prefix.snapshots) == 1 and prefix.compressed_hits == 3 * 432
+    snap = next(iter(prefix.snapshots.values()))
+    assert snap.refs == 4
+    held = sum(kv.sequence_bytes(f"r{i}") for i in range(4))
+    # Each row reads the compressed prefix; the pools hold its pages once (its full pages, shared
+    # in place unless a demotion after prefill copied some of them, and the cache's own tails).
+    b = kv.blocks
+    shared = [sum(int(b.snap_pages[p][kv.row(f"r{i}")].sum()) * kv.page_cost(p) for p in BITS) for i in range(4)]
+    assert min(shared) > 0
+    assert eng.stats()["kv_bytes_used"] == held - sum(shared) + snap.nbytes < 0.6 * held
+    prefix.audit()
+    outs = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o.token_ids
+        prefix.audit()
+        for i in range(4):   # the budget guarantee holds for sharing rows
+            if f"r{i}" in kv.seqs:
+                seq = eng._seqs[f"r{i}"]
+                assert kv.sequence_bytes(f"r{i}") <= 0.33 * kv.full_kv_bytes(seq.num_tokens) + 1e-6
+    assert got + [outs[f"r{i}"] for i in range(4)] == want
+    assert snap.refs == 0 and snap.key in prefix.idle_snapshots and eng.stats()["kv_bytes_used"] == 0
+
+
+def test_changing_a_shared_compressed_entry_copies_the_pages_first(same_state_prompts):
+    eng = _cached(kv_policy="pask", kv_budget=0.33)
+    eng.generate(same_state_prompts[:1], GREEDY)
+    for i, p in enumerate(same_state_prompts[1:3]):
+        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=40, ignore_eos=True))
+    eng.step()
+    kv = eng.kv
+    row = kv.row("r1")
+    layer, p = 0, next(q for q in BITS if int(kv.blocks.snap_pages[q][row, 0]))
+    pos = kv.blocks.slot_position[p][row, layer, :3].long()
+    before = [kv.gather("r0", lay) for lay in range(kv.cfg.num_layers)]
+    kv.set_precision("r1", layer, pos, Precision.RELEASED)                # r1's own pages now
+    assert int(kv.blocks.snap_pages[p][row, layer]) == 0 and kv.blocks.num_unshared_pages > 0
+    assert kv.precisions_at("r1", layer, pos).tolist() == [0, 0, 0]
+    assert all(int(x) == int(p) for x in kv.precisions_at("r0", layer, pos))
+    for lay, (pa, ka, va) in enumerate(before):                           # r0 reads what it read
+        pb, kb, vb = kv.gather("r0", lay)
+        assert torch.equal(pa, pb) and torch.equal(ka, kb) and torch.equal(va, vb)
+    kv.prefix.audit()
+    eng.abort("r0")
+    eng.scheduler.preempt(eng._seqs["r1"])                                # references go with them
+    assert next(iter(kv.prefix.snapshots.values())).refs == 0
+    kv.prefix.audit()
+    while eng.has_unfinished():
+        eng.step()
+    kv.prefix.audit()
 
 
 def test_shared_pages_cannot_be_released():
