@@ -323,3 +323,38 @@ def test_accounting_recounts_after_random_operations():
         cache.audit()
         assert bm.bytes_used <= bm.max_bytes
     assert hits > 0 and cache.hits == hits
+
+
+def test_pask_compressed_sharing_under_random_operations(same_state_prompts, shared_prompts):
+    """300 random operations on PASK with the cache, in a pool that preempts and evicts: requests
+    from two prefix families, steps, aborts, preemptions, a replica budget that falls and rises
+    (demotions copy shared pages on write) and a table publication. After every operation the
+    references, pages and bytes recount, and every sequence holds at most its budget."""
+    rng = random.Random(1)
+    eng = _cached(kv_policy="pask", kv_budget=0.33, kv_cache_bytes=6 << 20)
+    prompts = same_state_prompts + [p[:200] + [rng.randrange(4, 4000)] for p in shared_prompts[:2]]
+    kv, n = eng.kv, 0
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.3 and len(eng._seqs) < 6:
+            eng.add_request(f"q{n}", rng.choice(prompts), SamplingParams(max_tokens=rng.randrange(1, 30), ignore_eos=True))
+            n += 1
+        elif op < 0.8:
+            eng.step()
+        elif op < 0.85 and eng._seqs:
+            eng.abort(rng.choice(list(eng._seqs)))
+        elif op < 0.9 and eng.scheduler.running:
+            eng.scheduler.preempt(rng.choice(eng.scheduler.running))
+        elif op < 0.98:
+            eng.set_replica_budget(rng.choice([1.0, 0.3, 0.25]))   # a request's budget: min(its own, the replica's)
+        else:
+            kv.prefix.set_key(("publication", n))
+        kv.prefix.audit()
+        for rid, seq in eng._seqs.items() if 0.3 <= op < 0.8 else ():   # a new budget holds from the next step
+            if rid in kv.seqs and seq.prefilled:
+                assert kv.sequence_bytes(rid) <= seq.kv_budget * kv.full_kv_bytes(seq.num_tokens) + 1e-6
+    assert kv.prefix.compressed_hits > 0 and kv.blocks.num_unshared_pages > 0
+    while eng.has_unfinished():
+        eng.step()
+        kv.prefix.audit()
+    assert eng.stats()["kv_bytes_used"] == 0
