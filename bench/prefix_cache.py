@@ -1,7 +1,7 @@
 """Requests that share one tools block: TTFT, throughput and KV bytes with the prefix cache off and on.
 
     python -m bench.prefix_cache [--requests 64] [--concurrency 8] [--gen 32] [--context 3000]
-                                 [--policies full pask@0.33] [--json PATH]
+                                 [--policies full pask@0.33 compilerkv+pask@0.33] [--json PATH]
 
 One synthetic long_context example (``models.synth``, test split) gives the shared part: its
 tools (in the system turn, by the chat template) and its notes (the user turn up to the request):
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--gen", type=int, default=32, help="tokens each request generates")
     ap.add_argument("--context", type=int, default=3000, help="target tokens of the shared example")
-    ap.add_argument("--policies", nargs="+", default=["full", "pask@0.33"])
+    ap.add_argument("--policies", nargs="+", default=["full", "pask@0.33", "compilerkv+pask@0.33"])
     ap.add_argument("--ns", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--kv-cache-gib", type=float, default=2.0)
     ap.add_argument("--http", action="store_true", help="only the rows through the OpenAI app (in process)")

@@ -65,7 +65,8 @@ class APIMetrics:
     """Per-request metrics through ``ray.util.metrics`` (Ray dashboard, Prometheus names with a
     ``ray_`` prefix); a no-op where Ray is not initialized (the API in-process).
 
-    ``structkv_requests`` {finish_reason}, ``structkv_prompt_tokens``, ``structkv_generation_tokens``,
+    ``structkv_requests`` {finish_reason}, ``structkv_prompt_tokens``, ``structkv_prompt_tokens_cached``
+    (from the prefix cache), ``structkv_generation_tokens``,
     ``structkv_ttft_seconds`` and ``structkv_inter_token_latency_seconds`` (histograms),
     ``structkv_request_kv_bytes_peak``, ``structkv_request_kv_ratio`` (achieved bytes held / full KV,
     max over the request: histogram), ``structkv_grammar_compile_failures``, ``structkv_request_errors``
@@ -89,6 +90,8 @@ class APIMetrics:
             "requests": rm.Counter("structkv_requests", "Finished requests", tag_keys=t + ("finish_reason",)),
             "errors": rm.Counter("structkv_request_errors", "Requests answered with an error", tag_keys=t + ("status",)),
             "prompt": rm.Counter("structkv_prompt_tokens", "Prompt tokens", tag_keys=t),
+            "cached": rm.Counter("structkv_prompt_tokens_cached", "Prompt tokens whose KV came from the prefix cache",
+                                 tag_keys=t),
             "generation": rm.Counter("structkv_generation_tokens", "Generated tokens", tag_keys=t),
             "ttft": rm.Histogram("structkv_ttft_seconds", "Time to first token", boundaries=self.LATENCY_S, tag_keys=t),
             "itl": rm.Histogram("structkv_inter_token_latency_seconds", "Mean inter-token latency of a request",
@@ -105,6 +108,8 @@ class APIMetrics:
         m, n = out.metrics, out.num_output_tokens
         self.m["requests"].inc(1, {**self.tags, "finish_reason": out.finish_reason or "unknown"})
         self.m["prompt"].inc(out.num_prompt_tokens, self.tags)
+        if m.num_cached_tokens:
+            self.m["cached"].inc(m.num_cached_tokens, self.tags)
         if n:
             self.m["generation"].inc(n, self.tags)
         if m.first_token_s is not None:
@@ -390,7 +395,8 @@ class OpenAIServer:
     def usage(self, out: RequestOutput) -> dict:
         m = out.metrics
         return Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
-                     total_tokens=out.num_prompt_tokens + out.num_output_tokens, kv_bytes_peak=m.kv_bytes_peak,
+                     total_tokens=out.num_prompt_tokens + out.num_output_tokens,
+                     prompt_tokens_details={"cached_tokens": m.num_cached_tokens}, kv_bytes_peak=m.kv_bytes_peak,
                      kv_budget_ratio_mean=round(m.kv_ratio_mean, 6), kv_budget_ratio_max=round(m.kv_ratio_max, 6),
                      kv_policy=self._policy_label()).model_dump()
 

@@ -218,10 +218,15 @@ class CompletionRequest(SamplingFields):
                                  "with this many most likely alternatives.")
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Prompt tokens whose KV came from the prefix cache (0 without it).")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
     kv_bytes_peak: int = Field(description="Extension: most KV bytes the request held.")
     kv_budget_ratio_mean: float = Field(description="Extension: bytes held / full-KV bytes, mean over steps.")
     kv_budget_ratio_max: float = Field(description="Extension: the same ratio, max over steps.")

@@ -239,23 +239,33 @@ class LLMEngine:
         if self.kv.full_kv_bytes(total) > self.kv.cfg.max_bytes:
             raise InvalidRequestError(f"prompt plus max_tokens ({total} tokens) does not fit the KV pool "
                                       f"of {self.kv.cfg.max_bytes} bytes")
-        budget = self.config.kv_budget if kv_budget is None else kv_budget
-        if not 0.0 < budget <= 1.0:
-            raise InvalidRequestError(f"kv_budget must be in (0, 1], got {budget}", "kv_budget")
+        asked = self.config.kv_budget if kv_budget is None else kv_budget
+        if not 0.0 < asked <= 1.0:
+            raise InvalidRequestError(f"kv_budget must be in (0, 1], got {asked}", "kv_budget")
         # A prompt so short that the budget leaves less than one page per layer is served at one
         # page per layer, the least the cache can hold (its usage reports the ratio it got).
-        budget = max(budget, 1.0 / math.ceil(len(ids) / self.kv.cfg.block_size))
+        budget = max(asked, 1.0 / math.ceil(len(ids) / self.kv.cfg.block_size))
+
+        def refused(e: ValueError) -> InvalidRequestError:
+            why = str(e)
+            if budget != asked:
+                why += (f" (the budget {asked:.4g} was raised to {budget:.4g}: one {self.kv.cfg.block_size}-token "
+                        f"page per layer for this {len(ids)}-token prompt)")
+            if kv_budget is None:
+                why += (f"; the request sent no kv_budget, so the server's default kv_budget {asked:.4g} "
+                        f"applies: send kv_budget, or raise the server's default")
+            return InvalidRequestError(why, "kv_budget")
         try:
             self.policy.check(len(ids), budget, self.kv)
         except ValueError as e:
-            raise InvalidRequestError(str(e), "kv_budget") from None
+            raise refused(e) from None
         labels, floor, spec = None, 0.0, self.policy.spec
         if spec.needs_tags:
             labels = prompt_labels(self.tokenizer, ids)
             try:
                 self.policy.check_prompt(labels, budget, self.kv)
             except ValueError as e:
-                raise InvalidRequestError(str(e), "kv_budget") from None
+                raise refused(e) from None
             floor = self.policy.prompt_floor(labels, self.kv)
         if spec.prompt_only:
             floor = 1.0  # compresses the prompt to a token count: a lower budget has nothing to act on

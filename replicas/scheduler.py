@@ -161,7 +161,8 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.kv.add_sequence(seq.request_id)
-            start = seq.num_computed_tokens = self.kv.attach_prefix(seq.request_id, seq.all_token_ids)
+            start = seq.num_computed_tokens = seq.metrics.num_cached_tokens = \
+                self.kv.attach_prefix(seq.request_id, seq.all_token_ids)
             self.running.append(seq)
             end = min(seq.num_tokens, start + budget_tokens) if chunked else seq.num_tokens
             out.prefill.append(PrefillWork(seq, start, end))

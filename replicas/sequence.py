@@ -44,6 +44,7 @@ class RequestMetrics:
     num_preemptions: int = 0
     budget_fallbacks: int = 0
     num_forced_tokens: int = 0   # output tokens appended by jump-forward (no decode step of their own)
+    num_cached_tokens: int = 0   # prompt tokens taken from the prefix cache (at the last admission)
 
     @property
     def kv_ratio_mean(self) -> float:

@@ -238,8 +238,8 @@ class PASKPolicy(KVPolicy):
         counts = torch.bincount(torch.tensor(labels, dtype=torch.long), minlength=NUM_PROMPT_BUCKETS)
         floor = expected_fraction(counts, self.table.prompt.actions_at(0), self._group_sizes, self._costs)
         if floor > budget:
-            raise ValueError(f"the PASK floors keep {floor:.4f} of this prompt's KV, above the requested "
-                             f"budget of {budget}; raise kv_budget to at least {math.ceil(floor * 1000) / 1000}")
+            raise ValueError(f"the PASK floors keep {floor:.4f} of this prompt's KV, above its KV budget of "
+                             f"{budget:.4g}; raise kv_budget to at least {math.ceil(floor * 1000) / 1000}")
 
     # ------------------------------------------------------------------ hooks
     def _start(self, seq, kv: KVCache, budget: float) -> tuple[PASKTable, list[int], dict]:

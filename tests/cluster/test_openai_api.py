@@ -584,3 +584,20 @@ def test_stream_options_usage(app, path, body):
     r = call(app, "POST", path, {**body, "stream_options": {"include_usage": True}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
     assert "only allowed when stream is true" in r.json()["error"]["message"]
+
+
+def test_usage_reports_prompt_tokens_from_the_prefix_cache():
+    from replicas.config import EngineConfig
+    from replicas.engine import LLMEngine
+    eng = LLMEngine(EngineConfig(kv_policy="pask", kv_budget=0.33, kv_cache_bytes=64 << 20, max_num_seqs=4,
+                                 enable_prefix_caching=True))
+    server = OpenAIServer(AsyncLLMEngine(eng), MODEL)
+    app = build_app(server)
+    system = {"role": "system", "content": "You answer weather questions with the tool. " * 40}
+    usages = [call(app, "POST", "/v1/chat/completions", chat(
+        messages=[system, {"role": "user", "content": f"Weather in {city}?"}], tools=[WEATHER], max_tokens=8)
+        ).json()["usage"] for city in ("Paris", "Oslo")]
+    server.engine.shutdown()
+    assert usages[0]["prompt_tokens_details"] == {"cached_tokens": 0}
+    shared = usages[1]["prompt_tokens_details"]["cached_tokens"]
+    assert 0.8 * usages[1]["prompt_tokens"] < shared < usages[1]["prompt_tokens"] and shared % 16 == 0

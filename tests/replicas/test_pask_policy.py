@@ -233,3 +233,17 @@ def test_decode_side_is_not_drained_when_the_prompt_fills_the_budget(chat_prompt
             start = start or list(seq.policy_state["pask_k"])
         assert start[1] > 0 and seq.policy_state["pask_k"][1] > 0, (start, seq.policy_state["pask_k"])
         assert seq.metrics.kv_ratio_max <= 0.5 + 1e-6
+
+
+def test_a_default_budget_below_the_floors_says_it_is_the_servers(chat_prompts):
+    """A request that sends no kv_budget and is refused for the server's default is told so (and
+    the budget a short prompt was raised to is named)."""
+    from replicas.config import EngineConfig
+    from replicas.engine import LLMEngine
+    eng = LLMEngine(EngineConfig(kv_policy="pask", kv_budget=0.02, kv_cache_bytes=64 << 20))
+    with pytest.raises(InvalidRequestError, match=r"floors keep .* budget of 0\.02;.*sent no kv_budget, so the "
+                                                  r"server's default kv_budget 0\.02 applies"):
+        eng.add_request("a", chat_prompts[1] * 3)
+    with pytest.raises(InvalidRequestError, match=r"budget 0\.02 was raised to 0\.0625: one 16-token page per "
+                                                  r"layer for this 250-token prompt"):
+        eng.add_request("b", (chat_prompts[1] * 3)[:250], kv_budget=0.02)
