@@ -358,3 +358,28 @@ def test_pask_compressed_sharing_under_random_operations(same_state_prompts, sha
         eng.step()
         kv.prefix.audit()
     assert eng.stats()["kv_bytes_used"] == 0
+
+
+def test_pask_publication_and_an_abort_mid_prefill(same_state_prompts):
+    """A table publication drops PASK's compressed prefixes (a referenced one is freed after its
+    last row); a prompt aborted mid-prefill caches only the whole pages of completed forwards, and
+    its shadow goes with it."""
+    eng = _cached(kv_policy="pask", kv_budget=0.33, enable_chunked_prefill=True, max_num_batched_tokens=72)
+    eng.add_request("a", same_state_prompts[0], GREEDY)
+    eng.step()                                                           # 72 tokens: 4 whole pages cached
+    assert len(eng.kv.prefix.table) == 4 and eng.kv.shadow_of("a") is not None
+    eng.abort("a")
+    assert eng.kv.shadow_of("a") is None and not eng.kv.seqs
+    eng.kv.prefix.audit()
+    eng.generate(same_state_prompts[:1], GREEDY)
+    eng.add_request("b", same_state_prompts[1], SamplingParams(max_tokens=30, ignore_eos=True))
+    while not eng._seqs["b"].prefilled:
+        eng.step()
+    snap = eng.kv.prefix.seq_snapshot["b"]
+    eng.kv.prefix.set_key("v2")
+    assert snap.stale and not eng.kv.prefix.snapshots and eng.kv.prefix.peek(same_state_prompts[2]) == (0, 0)
+    eng.kv.prefix.audit()
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.stats()["kv_bytes_used"] == 0 and eng.kv.bytes_used == 0   # the stale prefix went back
+    eng.kv.prefix.audit()
