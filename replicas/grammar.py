@@ -377,7 +377,9 @@ _FORMAT_PATTERNS = {"date": f"^{_DATE}$", "date-time": f"^{_DATE}[Tt]{_TIME}$", 
 
 
 def _llguidance_schema(schema: Any, strict: bool) -> Any:
-    """A copy of ``schema`` for llguidance: custom (undefined) formats dropped, ``date`` /
+    """A copy of ``schema`` for llguidance: each ``oneOf`` as an exact ``anyOf`` where its
+    members' overlaps can be negated in keywords llguidance enforces
+    (:func:`replicas.schema_oneof.rewrite_one_of`), custom (undefined) formats dropped, ``date`` /
     ``date-time`` / ``time`` / ``uri-reference`` as exact patterns (:data:`_FORMAT_PATTERNS`,
     where the node has no ``pattern``); with ``strict``,
     no properties beyond those named (``additionalProperties: false`` where absent, except on
@@ -399,6 +401,9 @@ def _llguidance_schema(schema: Any, strict: bool) -> Any:
                 node["additionalProperties"] = False
             if "prefixItems" in node and "items" not in node:
                 node["items"] = False
+    from replicas.schema_oneof import rewrite_one_of
+    for node in [n for n, _ in _walk(schema) if isinstance(n.get("oneOf"), list)]:
+        rewrite_one_of(node, schema)   # exact anyOf where it can be written (else llguidance decides)
     return schema
 
 
