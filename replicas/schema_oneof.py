@@ -88,19 +88,21 @@ def _pointer(root: Any, ref: str) -> Any:
 
 
 def facets(node: Any, root: Any, depth: int = 0) -> list:
-    """``node`` as a conjunction: itself (without ``$ref``) and what its local ``$ref`` chain
-    points to. Raises :class:`_Unresolved` for a ``$ref`` it cannot follow."""
+    """``node`` as a conjunction: itself (without ``$ref`` and ``allOf``), its ``allOf``
+    members and what its local ``$ref`` chain points to. Raises :class:`_Unresolved` for a ``$ref`` it cannot follow."""
     if depth > 32:
         raise _Unresolved("too deep")
     if node is True or node is False:
         return [node]
     if not isinstance(node, dict):
         return [{}]
-    ref = node.get("$ref")
-    if not isinstance(ref, str):
+    ref, all_of = node.get("$ref"), node.get("allOf")
+    if not isinstance(ref, str) and not isinstance(all_of, list):
         return [node]
-    rest = {k: v for k, v in node.items() if k != "$ref"}
-    return [rest] + facets(_pointer(root, ref), root, depth + 1)
+    out = [{k: v for k, v in node.items() if k not in ("$ref", "allOf") or not isinstance(v, (str, list))}]
+    for m in all_of if isinstance(all_of, list) else []:
+        out += facets(m, root, depth + 1)
+    return out + (facets(_pointer(root, ref), root, depth + 1) if isinstance(ref, str) else [])
 
 
 class Info:
@@ -176,19 +178,45 @@ def _info(fs: list, root: Any) -> Info | None:
 
 def disjoint(a: list, b: list, root: Any, depth: int = 0) -> bool:
     """Whether no instance satisfies both facet lists ``a`` and ``b`` (True only when proved)."""
+    return disjoint_kinds(a, b, root, depth) >= _KINDS
+
+
+def disjoint_kinds(a: list, b: list, root: Any, depth: int = 0) -> set:
+    """The kinds of JSON value (:data:`_KINDS`) of which no instance satisfies both facet lists
+    (proved; a kind left out may still be disjoint)."""
     ia, ib = _info(a, root), _info(b, root)
     if ia is None or ib is None:
-        return False
+        return set()
     if ia.empty() or ib.empty():
-        return True
+        return set(_KINDS)
+    out = set(_KINDS) - (ia.kinds & ib.kinds)
     for kind in ia.kinds & ib.kinds:
         if ia.values is not None and ib.values is not None and not {
                 c for c, v in ia.values.items() if _kind(v) == kind} & set(ib.values):
-            continue
-        if kind == "object" and depth <= 8 and _objects_disjoint(ia, ib, root, depth):
-            continue
-        return False
-    return True
+            out.add(kind)
+        elif kind in _RANGES and _ranges_disjoint(ia, ib, _RANGES[kind]):
+            out.add(kind)
+        elif kind == "object" and depth <= 8 and _objects_disjoint(ia, ib, root, depth):
+            out.add(kind)
+    return out
+
+
+# Length bounds per kind: (lower keyword, upper keyword); both inclusive integers.
+_RANGES = {"string": ("minLength", "maxLength"), "array": ("minItems", "maxItems"),
+           "object": ("minProperties", "maxProperties")}
+
+
+def _bound(info: "Info", kw: str, lower: bool) -> int | None:
+    vals = [f[kw] for f in info.facets if isinstance(f, dict) and isinstance(f.get(kw), int)
+            and not isinstance(f.get(kw), bool)]
+    return (max(vals) if lower else min(vals)) if vals else None
+
+
+def _ranges_disjoint(ia: "Info", ib: "Info", kws: tuple) -> bool:
+    lo_a, hi_a = _bound(ia, kws[0], True), _bound(ia, kws[1], False)
+    lo_b, hi_b = _bound(ib, kws[0], True), _bound(ib, kws[1], False)
+    return (hi_a is not None and lo_b is not None and hi_a < lo_b) or \
+        (hi_b is not None and lo_a is not None and hi_b < lo_a)
 
 
 def _objects_disjoint(ia: Info, ib: Info, root: Any, depth: int) -> bool:
@@ -367,6 +395,19 @@ def _product_size(lists: list) -> int:
     return n
 
 
+def _negate_apart(b: list, ctx: list, root: Any, apart: set, kinds: set) -> list:
+    """:func:`negate`, knowing that no instance of ``ctx`` of the kinds ``apart`` satisfies
+    ``b``: those instances are written as their type, the rest negated keyword by keyword
+    (where the kinds can be named: ``number`` without ``integer`` cannot)."""
+    try:
+        typed = [_type_schema(apart), _type_schema(kinds - apart)] if apart else None
+    except _Inexpressible:
+        typed = None
+    if typed is None:
+        return negate(b, ctx, root)
+    return [typed[0], *negate(b, ctx + [typed[1]], root)]
+
+
 def rewrite_one_of(node: dict, root: Any) -> bool:
     """Replace ``node``'s ``oneOf`` by an exact ``anyOf`` (module doc), in place; False (node
     unchanged) where a member's negation cannot be written exactly."""
@@ -384,10 +425,14 @@ def rewrite_one_of(node: dict, root: Any) -> bool:
         ctx = base + fs[i]
         negs = []
         try:
+            kinds = getattr(_info(ctx, root), "kinds", _KINDS)
             for j in range(len(members)):
-                if j == i or disjoint(ctx, base + fs[j], root):
+                if j == i:
                     continue
-                alts = negate(fs[j], ctx, root)
+                apart = disjoint_kinds(ctx, base + fs[j], root) & kinds
+                if apart >= kinds:
+                    continue
+                alts = _negate_apart(fs[j], ctx, root, apart, kinds)
                 if not alts:
                     negs = None   # m implies members[j]: no instance matches m alone
                     break
