@@ -322,6 +322,19 @@ def _negate_keyword(k: str, v: Any, f: dict, ci: Info, ctx: list, root: Any, dep
         return out
     if k == "patternProperties" and not v:
         return []
+    if k == "items" and (isinstance(v, (dict, bool)) and not isinstance(f.get("prefixItems"), list)):
+        # An array fails `items: S` when one of its items fails S: written only where every item
+        # the context allows fails S (its items disjoint from S): then any non-empty array.
+        if v is True or v == {} or "array" not in ci.kinds:
+            return []
+        own = [g["items"] for g in ci.facets if isinstance(g, dict) and isinstance(g.get("items"), (dict, bool))
+               and not isinstance(g.get("prefixItems"), list)]
+        try:
+            if own and disjoint([x for g in own for x in facets(g, root)], facets(v, root), root):
+                return [{"type": "array", "minItems": 1}]
+        except _Unresolved:
+            pass
+        raise _Inexpressible("items")
     if k in ("const", "enum"):
         vals = [v] if k == "const" else v
         if not isinstance(vals, list):
@@ -339,6 +352,8 @@ def _negate_keyword(k: str, v: Any, f: dict, ci: Info, ctx: list, root: Any, dep
             if kind == "boolean":
                 left = [x for x in (True, False) if _canon(x) not in keys]
                 out += [{"enum": left}] if left else []
+            elif kind == "string":
+                out.append({"type": "string", "pattern": _not_one_of_pattern([x for x in vals if isinstance(x, str)])})
             elif kind != "null":
                 raise _Inexpressible(f"{k} with {kind} values")
         return out
@@ -384,6 +399,40 @@ def _negate_keyword(k: str, v: Any, f: dict, ci: Info, ctx: list, root: Any, dep
             raise _Inexpressible("too many alternatives")
         return [c[0] if len(c) == 1 else {"allOf": list(c)} for c in itertools.product(*each)]
     raise _Inexpressible(k)
+
+
+MAX_PATTERN = 20_000   # characters of a complement pattern (a longer enum is not negated)
+
+
+def _regex_char(c: str) -> str:
+    if c.isascii() and c.isalnum():
+        return c
+    if c.isascii() and c.isprintable() and c != " ":
+        return "\\" + c                       # ASCII punctuation, escaped (also inside a class)
+    return "\\x{%x}" % ord(c)
+
+
+def _not_one_of_pattern(words: list[str]) -> str:
+    """An anchored regex (no look-around) matching every string except ``words``: walking the
+    trie of ``words``, a string leaves it by ending at a node that is no word's end, or by a
+    character no word continues with there (then anything may follow)."""
+    trie: dict = {}
+    for w in words:
+        node = trie
+        for c in w:
+            node = node.setdefault(c, {})
+        node[""] = {}   # the end of a word
+
+    def rx(node: dict) -> str:
+        kids = sorted(c for c in node if c)
+        alts = [] if "" in node else [""]
+        alts.append(("[^" + "".join(map(_regex_char, kids)) + "]" if kids else "(?s:.)") + "(?s:.)*")
+        alts += [_regex_char(c) + rx(node[c]) for c in kids]
+        return "(?:" + "|".join(alts) + ")"
+    pattern = "^" + rx(trie) + "$"
+    if len(pattern) > MAX_PATTERN:
+        raise _Inexpressible("an enum too long to negate")
+    return pattern
 
 
 def _product_size(lists: list) -> int:

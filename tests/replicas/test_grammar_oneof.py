@@ -53,6 +53,13 @@ IDIOMS = [
     ("overlapping integer ranges",
      {"oneOf": [{"type": "integer", "maximum": 5}, {"type": "integer", "minimum": 3}]},
      [1, 7], ["a", 2.5], 4),
+    ("a string enum against any string (negated as a pattern)",
+     {"type": "object", "properties": {"t": {"type": "string"}}, "required": ["t"],
+      "oneOf": [{"properties": {"t": {"enum": ["x", "y"]}}}, {"properties": {"t": {"maxLength": 1}}}]},
+     [{"t": "z"}], [{"t": "zz"}, {"t": "xy"}], {"t": "x"}),
+    ("arrays of disjoint items (both accept [])",
+     {"oneOf": [{"type": "array", "items": {"type": "string"}}, {"type": "array", "items": INT}]},
+     [["a"], [1]], [["a", 1]], []),
     ("a boolean const against a boolean",
      {"oneOf": [{"type": "boolean"}, {"const": True}]},
      [False], [None], True),
@@ -93,7 +100,7 @@ def test_overlapping_one_of_is_served_exactly(engine, idiom, schema, valid, inva
     ({"type": "object", "properties": {"p": {"oneOf": [{"type": "string", "pattern": "^a"},
                                                        {"type": "string", "pattern": "b$"}]}}},
      "oneOf with members that may overlap at $.properties.p"),
-    ({"type": "array", "oneOf": [{"items": INT}, {"items": {"type": "string"}}]},
+    ({"type": "array", "oneOf": [{"items": INT}, {"items": {"type": "number"}}]},
      "oneOf with members that may overlap at $"),
 ])
 def test_overlap_that_cannot_be_negated_exactly_stays_refused(engine, schema, needle):
