@@ -388,6 +388,7 @@ def _llguidance_schema(schema: Any, strict: bool) -> Any:
     import copy
     schema = copy.deepcopy(schema)
     in_allof = set()
+    legacy = _legacy_draft(schema)
     for node, where in _walk(schema):
         if isinstance(node.get("allOf"), list):
             in_allof.update(id(m) for m in node["allOf"])
@@ -395,7 +396,7 @@ def _llguidance_schema(schema: Any, strict: bool) -> Any:
             del node["format"]
         if node.get("format") in _FORMAT_PATTERNS and "pattern" not in node:
             node["pattern"] = _FORMAT_PATTERNS[node.pop("format")]
-        _rewrite_dependencies(node)
+        _rewrite_dependencies(node, legacy)
         if strict and id(node) not in in_allof:
             if ("properties" in node or node.get("type") == "object") and "additionalProperties" not in node:
                 node["additionalProperties"] = False
@@ -407,9 +408,25 @@ def _llguidance_schema(schema: Any, strict: bool) -> Any:
     return schema
 
 
-def _rewrite_dependencies(node: dict) -> None:
+def _legacy_draft(schema: Any) -> bool:
+    """Whether ``jsonschema`` reads ``schema`` as draft 3 to 7 (its ``$schema``; without one, or
+    with one it does not know, as 2020-12): those have ``dependencies``, the later drafts
+    ``dependentRequired`` / ``dependentSchemas`` instead (each ignores the other's keywords)."""
+    import jsonschema
+    if not isinstance(schema, dict) or not isinstance(schema.get("$schema"), str):
+        return False
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # an unknown $schema: jsonschema warns and uses 2020-12
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return "dependencies" in cls.VALIDATORS
+
+
+def _rewrite_dependencies(node: dict, legacy: bool = False) -> None:
     """Replace ``dependentRequired`` / ``dependentSchemas`` / draft-4 ``dependencies`` (which
-    llguidance does not implement) by what they mean, in keywords it does: for each key ``k``,
+    llguidance does not implement) by what they mean, in keywords it does (only those of the
+    schema's draft, ``legacy``: draft 3 to 7 has ``dependencies``, later drafts the other two; the
+    other draft's are removed, as validators ignore them): for each key ``k``,
     ``anyOf: [{properties: {k: false}}, {required: [k, ...]} or {allOf: [{required: [k]}, S]}]``
     (``k`` absent, or present with what it needs), added to the node's ``allOf``."""
     extra = []
@@ -418,6 +435,8 @@ def _rewrite_dependencies(node: dict) -> None:
         if not isinstance(deps, dict):
             continue
         del node[kw]
+        if (kw == "dependencies") != legacy:
+            continue   # not a keyword of the schema's draft: validators ignore it
         for k, need in deps.items():
             if isinstance(need, str):   # draft 3: one name
                 need = [need]
