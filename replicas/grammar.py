@@ -377,7 +377,9 @@ _FORMAT_PATTERNS = {"date": f"^{_DATE}$", "date-time": f"^{_DATE}[Tt]{_TIME}$", 
 
 
 def _llguidance_schema(schema: Any, strict: bool) -> Any:
-    """A copy of ``schema`` for llguidance: custom (undefined) formats dropped, ``date`` /
+    """A copy of ``schema`` for llguidance: each ``oneOf`` as an exact ``anyOf`` where its
+    members' overlaps can be negated in keywords llguidance enforces
+    (:func:`replicas.schema_oneof.rewrite_one_of`), custom (undefined) formats dropped, ``date`` /
     ``date-time`` / ``time`` / ``uri-reference`` as exact patterns (:data:`_FORMAT_PATTERNS`,
     where the node has no ``pattern``); with ``strict``,
     no properties beyond those named (``additionalProperties: false`` where absent, except on
@@ -386,6 +388,7 @@ def _llguidance_schema(schema: Any, strict: bool) -> Any:
     import copy
     schema = copy.deepcopy(schema)
     in_allof = set()
+    legacy = _legacy_draft(schema)
     for node, where in _walk(schema):
         if isinstance(node.get("allOf"), list):
             in_allof.update(id(m) for m in node["allOf"])
@@ -393,18 +396,37 @@ def _llguidance_schema(schema: Any, strict: bool) -> Any:
             del node["format"]
         if node.get("format") in _FORMAT_PATTERNS and "pattern" not in node:
             node["pattern"] = _FORMAT_PATTERNS[node.pop("format")]
-        _rewrite_dependencies(node)
+        _rewrite_dependencies(node, legacy)
         if strict and id(node) not in in_allof:
             if ("properties" in node or node.get("type") == "object") and "additionalProperties" not in node:
                 node["additionalProperties"] = False
             if "prefixItems" in node and "items" not in node:
                 node["items"] = False
+    from replicas.schema_oneof import rewrite_one_of
+    for node in [n for n, _ in _walk(schema) if isinstance(n.get("oneOf"), list)]:
+        rewrite_one_of(node, schema)   # exact anyOf where it can be written (else llguidance decides)
     return schema
 
 
-def _rewrite_dependencies(node: dict) -> None:
+def _legacy_draft(schema: Any) -> bool:
+    """Whether ``jsonschema`` reads ``schema`` as draft 3 to 7 (its ``$schema``; without one, or
+    with one it does not know, as 2020-12): those have ``dependencies``, the later drafts
+    ``dependentRequired`` / ``dependentSchemas`` instead (each ignores the other's keywords)."""
+    import jsonschema
+    if not isinstance(schema, dict) or not isinstance(schema.get("$schema"), str):
+        return False
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # an unknown $schema: jsonschema warns and uses 2020-12
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return "dependencies" in cls.VALIDATORS
+
+
+def _rewrite_dependencies(node: dict, legacy: bool = False) -> None:
     """Replace ``dependentRequired`` / ``dependentSchemas`` / draft-4 ``dependencies`` (which
-    llguidance does not implement) by what they mean, in keywords it does: for each key ``k``,
+    llguidance does not implement) by what they mean, in keywords it does (only those of the
+    schema's draft, ``legacy``: draft 3 to 7 has ``dependencies``, later drafts the other two; the
+    other draft's are removed, as validators ignore them): for each key ``k``,
     ``anyOf: [{properties: {k: false}}, {required: [k, ...]} or {allOf: [{required: [k]}, S]}]``
     (``k`` absent, or present with what it needs), added to the node's ``allOf``."""
     extra = []
@@ -413,6 +435,8 @@ def _rewrite_dependencies(node: dict) -> None:
         if not isinstance(deps, dict):
             continue
         del node[kw]
+        if (kw == "dependencies") != legacy:
+            continue   # not a keyword of the schema's draft: validators ignore it
         for k, need in deps.items():
             if isinstance(need, str):   # draft 3: one name
                 need = [need]

@@ -181,6 +181,10 @@ MOVED_TO_LLGUIDANCE = [
     (PET, "oneOf with members that may overlap", '{"pet": {"kind": "cat", "lives": 9}}',
      '{"pet": {"kind": "cat", "bark": "x"}}'),   # a pydantic discriminated union
     (CODE, "pattern with minLength / maxLength", '{"code": "AB"}', '{"code": "ABCD"}'),  # Field(pattern, max_length)
+    # members that overlap (both required names present): rewritten as an exact anyOf (schema_oneof)
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "oneOf": [{"required": ["a"]}, {"required": ["b"]}]}, "oneOf with members that may overlap", '{"a": 1}',
+     '{"a": 1, "b": 2}'),
 ]
 
 
@@ -208,6 +212,22 @@ def test_keywords_xgrammar_drops_are_served_by_llguidance(engine, schema, needle
     call = '<tool_call>\n{"name": "f", "arguments": %s}\n</tool_call>' % ('{"x": %s}' if wrap else "%s")
     assert _accepts(engine.grammar.matcher(tools), engine.tokenizer, call % valid)
     assert not _accepts(engine.grammar.matcher(tools), engine.tokenizer, call % invalid)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"a": {}, "b": {}}, "dependencies": {"a": ["b"]}},   # 2020-12: no dependencies
+    {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "properties": {"a": {}, "b": {}},
+     "dependentRequired": {"a": ["b"]}},                                                  # draft 7: no dependentRequired
+])
+def test_dependency_keywords_of_another_draft_are_ignored_as_jsonschema_does(engine, schema):
+    """Seen on JSONSchemaBench (Glaiveai2K #765, no $schema, draft-4 `dependencies`): jsonschema
+    ignores a keyword its draft does not have, so the grammar must accept what it would forbid."""
+    from replicas.grammar import GrammarSpec
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    assert validator.is_valid({"a": 1})
+    spec = GrammarSpec("json_schema", schema)
+    assert engine.grammar.backend_of(spec) == "llguidance"
+    assert _accepts(engine.grammar.matcher(spec), engine.tokenizer, '{"a": 1}')
 
 
 # Found by bench.grammar_soundness / its probes: schemas xgrammar serves but with valid instances

@@ -1,0 +1,500 @@
+"""``oneOf`` as ``anyOf``, exactly: for llguidance, which refuses a ``oneOf`` it cannot prove
+disjoint (and compiling it as ``anyOf`` would accept an instance matching two members).
+
+``oneOf: [A, B, ...]`` (inside a node ``P``, the node's other keywords) means exactly one member
+holds. It is rewritten, in place, as ``anyOf: [A', B', ...]`` with
+``A' = allOf: [A, not B, ...]`` for every member ``B`` that may overlap ``A`` (given ``P``); a
+member that provably cannot overlap (:func:`disjoint`) needs no negation, so a ``oneOf`` whose
+members are pairwise disjoint becomes its ``anyOf`` unchanged. ``not B`` is written in keywords
+llguidance enforces (:func:`negate`), exact for every instance of ``P`` and ``A``: e.g.
+``not {required: [x, y]}`` is ``anyOf: [{type: object, properties: {x: false}}, {type: object,
+properties: {y: false}}]``. Where a negation cannot be written exactly (a ``pattern``, a
+``format``, ``items``, a nested ``oneOf``, ``integer`` inside ``number``, ...) the ``oneOf`` is
+left as it is, and llguidance refuses it (or proves it disjoint itself).
+
+Reasoning is on "facets": a schema node is the conjunction of its keywords and of the nodes its
+local ``$ref`` points to (llguidance intersects a ``$ref`` with its siblings, as Draft 2020-12
+does). What is derived from a facet list (the JSON types it allows, the values of a
+``const`` / ``enum``, the names it requires or forbids, whether its objects are closed) is true of
+every instance; keywords not understood are left out, which only weakens it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+# Kinds of JSON values: "int" is an integer-valued number, "frac" any other number.
+_KINDS = frozenset(("null", "boolean", "object", "array", "string", "int", "frac"))
+_TYPE_KINDS = {"null": {"null"}, "boolean": {"boolean"}, "object": {"object"}, "array": {"array"},
+               "string": {"string"}, "integer": {"int"}, "number": {"int", "frac"}}
+# The keywords that constrain an instance, in any draft: any other keyword is an annotation
+# (validators ignore it: title, description, examples, x-..., unknown names).
+_ASSERTIONS = {"type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
+               "maxLength", "minLength", "pattern", "format", "maxItems", "minItems", "uniqueItems", "maxContains",
+               "minContains", "maxProperties", "minProperties", "required", "dependentRequired", "dependencies",
+               "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependentSchemas", "prefixItems", "items",
+               "additionalItems", "contains", "properties", "patternProperties", "additionalProperties",
+               "propertyNames", "unevaluatedItems", "unevaluatedProperties", "$ref", "$dynamicRef", "$recursiveRef",
+               "disallow", "extends", "divisibleBy"}
+MAX_ALTERNATIVES = 64   # per negation (a product of anyOf negations past it is not written)
+
+
+def _kind(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, int):
+        return "int"
+    if isinstance(v, float):
+        return "int" if v.is_integer() else "frac"
+    if isinstance(v, str):
+        return "string"
+    return "array" if isinstance(v, list) else "object"
+
+
+def _canon(v: Any) -> str:
+    """A value's identity as JSON Schema compares values (1 == 1.0, true != 1)."""
+    def norm(x):
+        if isinstance(x, float) and x.is_integer():
+            return int(x)
+        if isinstance(x, list):
+            return [norm(y) for y in x]
+        if isinstance(x, dict):
+            return {k: norm(y) for k, y in x.items()}
+        return x
+    return json.dumps(norm(v), sort_keys=True)
+
+
+class _Unresolved(Exception):
+    pass
+
+
+def _pointer(root: Any, ref: str) -> Any:
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        raise _Unresolved(ref)
+    node = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        try:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        except (KeyError, IndexError, ValueError, TypeError):
+            raise _Unresolved(ref) from None
+    return node
+
+
+def facets(node: Any, root: Any, depth: int = 0) -> list:
+    """``node`` as a conjunction: itself (without ``$ref`` and ``allOf``), its ``allOf``
+    members and what its local ``$ref`` chain points to. Raises :class:`_Unresolved` for a ``$ref`` it cannot follow."""
+    if depth > 32:
+        raise _Unresolved("too deep")
+    if node is True or node is False:
+        return [node]
+    if not isinstance(node, dict):
+        return [{}]
+    ref, all_of = node.get("$ref"), node.get("allOf")
+    if not isinstance(ref, str) and not isinstance(all_of, list):
+        return [node]
+    out = [{k: v for k, v in node.items() if k not in ("$ref", "allOf") or not isinstance(v, (str, list))}]
+    for m in all_of if isinstance(all_of, list) else []:
+        out += facets(m, root, depth + 1)
+    return out + (facets(_pointer(root, ref), root, depth + 1) if isinstance(ref, str) else [])
+
+
+class Info:
+    """What every instance of a facet list satisfies (sound, not complete)."""
+
+    def __init__(self, fs: list, root: Any):
+        self.root, self.facets = root, fs
+        self.false = any(f is False for f in fs)
+        self.kinds = set(_KINDS)
+        self.values = None   # {canon: value} or None (any)
+        self.required: set = set()
+        self.closed = None   # the names an object may have, or None (any)
+        for f in fs:
+            if not isinstance(f, dict):
+                continue
+            t = f.get("type")
+            if isinstance(t, (str, list)):
+                names = [t] if isinstance(t, str) else t
+                if all(n in _TYPE_KINDS for n in names):
+                    self.kinds &= set().union(*(_TYPE_KINDS[n] for n in names)) if names else set()
+            vals = [f["const"]] if "const" in f else f["enum"] if isinstance(f.get("enum"), list) else None
+            if vals is not None:
+                got = {_canon(v): v for v in vals}
+                self.values = got if self.values is None else {k: v for k, v in self.values.items() if k in got}
+            if isinstance(f.get("required"), list):
+                self.required |= {r for r in f["required"] if isinstance(r, str)}
+            if f.get("additionalProperties") is False and not f.get("patternProperties"):
+                names = set(f.get("properties") or {}) if isinstance(f.get("properties", {}), dict) else set()
+                self.closed = names if self.closed is None else self.closed & names
+        if self.values is not None:
+            self.values = {k: v for k, v in self.values.items() if _kind(v) in self.kinds}
+            self.kinds &= {_kind(v) for v in self.values.values()}
+        if self.closed is not None:
+            self.closed = {n for n in self.closed if not self.forbids(n)}
+
+    def empty(self) -> bool:
+        return self.false or not self.kinds
+
+    def forbids(self, name: str) -> bool:
+        """Whether no object instance has property ``name``."""
+        for f in self.facets:
+            if not isinstance(f, dict):
+                continue
+            props = f.get("properties") if isinstance(f.get("properties"), dict) else {}
+            if name in props:
+                if props[name] is False:
+                    return True
+                continue
+            if f.get("additionalProperties") is False and not f.get("patternProperties"):
+                return True
+        return False
+
+    def prop(self, name: str) -> list:
+        """The facets an instance's property ``name`` (when present) satisfies."""
+        out = []
+        for f in self.facets:
+            if not isinstance(f, dict):
+                continue
+            props = f.get("properties") if isinstance(f.get("properties"), dict) else {}
+            if name in props:
+                out += facets(props[name], self.root)
+            elif "additionalProperties" in f and not f.get("patternProperties"):
+                out += facets(f["additionalProperties"], self.root)
+        return out
+
+
+def _info(fs: list, root: Any) -> Info | None:
+    try:
+        return Info(fs, root)
+    except _Unresolved:
+        return None
+
+
+def disjoint(a: list, b: list, root: Any, depth: int = 0) -> bool:
+    """Whether no instance satisfies both facet lists ``a`` and ``b`` (True only when proved)."""
+    return disjoint_kinds(a, b, root, depth) >= _KINDS
+
+
+def disjoint_kinds(a: list, b: list, root: Any, depth: int = 0) -> set:
+    """The kinds of JSON value (:data:`_KINDS`) of which no instance satisfies both facet lists
+    (proved; a kind left out may still be disjoint)."""
+    ia, ib = _info(a, root), _info(b, root)
+    if ia is None or ib is None:
+        return set()
+    if ia.empty() or ib.empty():
+        return set(_KINDS)
+    out = set(_KINDS) - (ia.kinds & ib.kinds)
+    for kind in ia.kinds & ib.kinds:
+        if ia.values is not None and ib.values is not None and not {
+                c for c, v in ia.values.items() if _kind(v) == kind} & set(ib.values):
+            out.add(kind)
+        elif kind in _RANGES and _ranges_disjoint(ia, ib, _RANGES[kind]):
+            out.add(kind)
+        elif kind == "object" and depth <= 8 and _objects_disjoint(ia, ib, root, depth):
+            out.add(kind)
+    return out
+
+
+# Length bounds per kind: (lower keyword, upper keyword); both inclusive integers.
+_RANGES = {"string": ("minLength", "maxLength"), "array": ("minItems", "maxItems"),
+           "object": ("minProperties", "maxProperties")}
+
+
+def _bound(info: "Info", kw: str, lower: bool) -> int | None:
+    vals = [f[kw] for f in info.facets if isinstance(f, dict) and isinstance(f.get(kw), int)
+            and not isinstance(f.get(kw), bool)]
+    return (max(vals) if lower else min(vals)) if vals else None
+
+
+def _ranges_disjoint(ia: "Info", ib: "Info", kws: tuple) -> bool:
+    lo_a, hi_a = _bound(ia, kws[0], True), _bound(ia, kws[1], False)
+    lo_b, hi_b = _bound(ib, kws[0], True), _bound(ib, kws[1], False)
+    return (hi_a is not None and lo_b is not None and hi_a < lo_b) or \
+        (hi_b is not None and lo_a is not None and hi_b < lo_a)
+
+
+def _objects_disjoint(ia: Info, ib: Info, root: Any, depth: int) -> bool:
+    """Whether no object satisfies both: a name one requires and the other forbids, or a name
+    one requires whose property schemas are disjoint."""
+    if any(ib.forbids(r) for r in ia.required) or any(ia.forbids(r) for r in ib.required):
+        return True
+    try:
+        return any(disjoint(ia.prop(p), ib.prop(p), root, depth + 1) for p in sorted(ia.required | ib.required))
+    except _Unresolved:
+        return False
+
+
+class _Inexpressible(Exception):
+    pass
+
+
+def _types_for(kinds: set) -> list[str]:
+    """``type`` names for exactly ``kinds`` (raises where "frac" is wanted without "int")."""
+    if "frac" in kinds and "int" not in kinds:
+        raise _Inexpressible("a non-integer number")
+    names = [n for n in ("null", "boolean", "object", "array", "string") if n in kinds]
+    if "frac" in kinds:
+        names.append("number")
+    elif "int" in kinds:
+        names.append("integer")
+    return names
+
+
+def _type_schema(kinds: set) -> dict:
+    names = _types_for(kinds)
+    return {"type": names[0] if len(names) == 1 else names}
+
+
+def negate(b: list, ctx: list, root: Any, depth: int = 0) -> list:
+    """Schemas ``N1, N2, ...`` such that an instance of ``ctx`` (facet list) fails ``b`` (facet
+    list) if and only if it satisfies one of them ([] where none of ``ctx`` can fail ``b``).
+    Raises :class:`_Inexpressible` where this cannot be written exactly."""
+    if depth > 6:
+        raise _Inexpressible("nested too deep")
+    ci = _info(ctx, root)
+    if ci is None:
+        raise _Inexpressible("an unresolved $ref")
+    if ci.empty():
+        return []
+    out: list = []
+    for f in b:
+        if f is True:
+            continue
+        if f is False:
+            return [True]
+        for k, v in f.items():
+            out += _negate_keyword(k, v, f, ci, ctx, root, depth)
+            if len(out) > MAX_ALTERNATIVES:
+                raise _Inexpressible("too many alternatives")
+    return out
+
+
+def _negate_keyword(k: str, v: Any, f: dict, ci: Info, ctx: list, root: Any, depth: int) -> list:
+    if k not in _ASSERTIONS:
+        return []
+    if k == "type":
+        names = [v] if isinstance(v, str) else v
+        if not isinstance(names, list) or not all(n in _TYPE_KINDS for n in names):
+            raise _Inexpressible("type")
+        rest = ci.kinds - set().union(set(), *(_TYPE_KINDS[n] for n in names))
+        return [_type_schema(rest)] if rest else []
+    if k == "required":
+        if not isinstance(v, list):
+            raise _Inexpressible("required")
+        if "object" not in ci.kinds:
+            return []
+        return [{"type": "object", "properties": {r: False}} for r in v if r not in ci.required]
+    if k == "properties":
+        if not isinstance(v, dict):
+            raise _Inexpressible("properties")
+        if "object" not in ci.kinds:
+            return []
+        out = []
+        for p, s in v.items():
+            if ci.forbids(p):
+                continue
+            try:
+                sub = ci.prop(p)
+                negs = negate(facets(s, root), sub, root, depth + 1)
+            except _Unresolved:
+                raise _Inexpressible("an unresolved $ref") from None
+            out += [{"type": "object", "required": [p], "properties": {p: n}} for n in negs]
+        return out
+    if k == "additionalProperties":
+        if v is True or v == {} or "object" not in ci.kinds:
+            return []
+        if f.get("patternProperties") or ci.closed is None:
+            raise _Inexpressible("additionalProperties")   # "some other name" needs a closed context
+        named = set(f.get("properties") or {})
+        out = []
+        for name in sorted(ci.closed - named):
+            if v is False:
+                out.append({"type": "object", "required": [name]})
+            else:
+                negs = negate(facets(v, root), ci.prop(name), root, depth + 1)
+                out += [{"type": "object", "required": [name], "properties": {name: n}} for n in negs]
+        return out
+    if k == "patternProperties" and not v:
+        return []
+    if k == "items" and (isinstance(v, (dict, bool)) and not isinstance(f.get("prefixItems"), list)):
+        # An array fails `items: S` when one of its items fails S: written only where every item
+        # the context allows fails S (its items disjoint from S): then any non-empty array.
+        if v is True or v == {} or "array" not in ci.kinds:
+            return []
+        own = [g["items"] for g in ci.facets if isinstance(g, dict) and isinstance(g.get("items"), (dict, bool))
+               and not isinstance(g.get("prefixItems"), list)]
+        try:
+            if own and disjoint([x for g in own for x in facets(g, root)], facets(v, root), root):
+                return [{"type": "array", "minItems": 1}]
+        except _Unresolved:
+            pass
+        raise _Inexpressible("items")
+    if k in ("const", "enum"):
+        vals = [v] if k == "const" else v
+        if not isinstance(vals, list):
+            raise _Inexpressible(k)
+        keys = {_canon(x) for x in vals}
+        if ci.values is not None:
+            rest = [x for c, x in ci.values.items() if c not in keys]
+            return [{"enum": rest}] if rest else []
+        out = []
+        kinds_in = {_kind(x) for x in vals} & ci.kinds
+        rest = ci.kinds - kinds_in
+        if rest:
+            out.append(_type_schema(rest))
+        for kind in kinds_in:
+            if kind == "boolean":
+                left = [x for x in (True, False) if _canon(x) not in keys]
+                out += [{"enum": left}] if left else []
+            elif kind == "string":
+                out.append({"type": "string", "pattern": _not_one_of_pattern([x for x in vals if isinstance(x, str)])})
+            elif kind != "null":
+                raise _Inexpressible(f"{k} with {kind} values")
+        return out
+    bounds = {"minLength": ("string", "maxLength", -1), "maxLength": ("string", "minLength", 1),
+              "minItems": ("array", "maxItems", -1), "maxItems": ("array", "minItems", 1)}
+    if k in bounds:
+        kind, other, step = bounds[k]
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise _Inexpressible(k)
+        if kind not in ci.kinds or v + step < 0:
+            return []
+        return [{"type": kind, other: v + step}]
+    numeric = {"minimum": "exclusiveMaximum", "maximum": "exclusiveMinimum",
+               "exclusiveMinimum": "maximum", "exclusiveMaximum": "minimum"}
+    if k in numeric:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise _Inexpressible(k)   # draft 4's boolean exclusiveMinimum
+        if k in ("minimum", "maximum") and isinstance(f.get("exclusive" + k[:1].upper() + k[1:]), bool):
+            raise _Inexpressible(k)
+        if not ci.kinds & {"int", "frac"}:
+            return []
+        return [{"type": "number", numeric[k]: v}]
+    if k == "allOf":
+        if not isinstance(v, list):
+            raise _Inexpressible(k)
+        out = []
+        for s in v:
+            try:
+                out += negate(facets(s, root), ctx, root, depth + 1)
+            except _Unresolved:
+                raise _Inexpressible("an unresolved $ref") from None
+        return out
+    if k == "anyOf":
+        if not isinstance(v, list):
+            raise _Inexpressible(k)
+        try:
+            each = [negate(facets(s, root), ctx, root, depth + 1) for s in v]
+        except _Unresolved:
+            raise _Inexpressible("an unresolved $ref") from None
+        if any(not n for n in each):
+            return []   # a member that always holds
+        if any(len(n) > 1 for n in each) and _product_size(each) > MAX_ALTERNATIVES:
+            raise _Inexpressible("too many alternatives")
+        return [c[0] if len(c) == 1 else {"allOf": list(c)} for c in itertools.product(*each)]
+    raise _Inexpressible(k)
+
+
+MAX_PATTERN = 20_000   # characters of a complement pattern (a longer enum is not negated)
+
+
+def _regex_char(c: str) -> str:
+    if c.isascii() and c.isalnum():
+        return c
+    if c.isascii() and c.isprintable() and c != " ":
+        return "\\" + c                       # ASCII punctuation, escaped (also inside a class)
+    return "\\x{%x}" % ord(c)
+
+
+def _not_one_of_pattern(words: list[str]) -> str:
+    """An anchored regex (no look-around) matching every string except ``words``: walking the
+    trie of ``words``, a string leaves it by ending at a node that is no word's end, or by a
+    character no word continues with there (then anything may follow)."""
+    trie: dict = {}
+    for w in words:
+        node = trie
+        for c in w:
+            node = node.setdefault(c, {})
+        node[""] = {}   # the end of a word
+
+    def rx(node: dict) -> str:
+        kids = sorted(c for c in node if c)
+        alts = [] if "" in node else [""]
+        alts.append(("[^" + "".join(map(_regex_char, kids)) + "]" if kids else "(?s:.)") + "(?s:.)*")
+        alts += [_regex_char(c) + rx(node[c]) for c in kids]
+        return "(?:" + "|".join(alts) + ")"
+    pattern = "^" + rx(trie) + "$"
+    if len(pattern) > MAX_PATTERN:
+        raise _Inexpressible("an enum too long to negate")
+    return pattern
+
+
+def _product_size(lists: list) -> int:
+    n = 1
+    for x in lists:
+        n *= len(x)
+        if n > MAX_ALTERNATIVES:
+            break
+    return n
+
+
+def _negate_apart(b: list, ctx: list, root: Any, apart: set, kinds: set) -> list:
+    """:func:`negate`, knowing that no instance of ``ctx`` of the kinds ``apart`` satisfies
+    ``b``: those instances are written as their type, the rest negated keyword by keyword
+    (where the kinds can be named: ``number`` without ``integer`` cannot)."""
+    try:
+        typed = [_type_schema(apart), _type_schema(kinds - apart)] if apart else None
+    except _Inexpressible:
+        typed = None
+    if typed is None:
+        return negate(b, ctx, root)
+    return [typed[0], *negate(b, ctx + [typed[1]], root)]
+
+
+def rewrite_one_of(node: dict, root: Any) -> bool:
+    """Replace ``node``'s ``oneOf`` by an exact ``anyOf`` (module doc), in place; False (node
+    unchanged) where a member's negation cannot be written exactly."""
+    members = node.get("oneOf")
+    if not isinstance(members, list) or not members:
+        return False
+    parent = {k: v for k, v in node.items() if k != "oneOf"}
+    try:
+        base = facets(parent, root)
+        fs = [facets(m, root) for m in members]
+    except _Unresolved:
+        return False
+    branches = []
+    for i, m in enumerate(members):
+        ctx = base + fs[i]
+        negs = []
+        try:
+            kinds = getattr(_info(ctx, root), "kinds", _KINDS)
+            for j in range(len(members)):
+                if j == i:
+                    continue
+                apart = disjoint_kinds(ctx, base + fs[j], root) & kinds
+                if apart >= kinds:
+                    continue
+                alts = _negate_apart(fs[j], ctx, root, apart, kinds)
+                if not alts:
+                    negs = None   # m implies members[j]: no instance matches m alone
+                    break
+                negs.append(alts[0] if len(alts) == 1 else {"anyOf": alts})
+        except _Inexpressible:
+            return False
+        if negs is None:
+            continue
+        branches.append({"allOf": [m, *negs]} if negs else m)
+    del node["oneOf"]
+    branches = branches or [False]
+    if "anyOf" in node:
+        node["allOf"] = (node["allOf"] if isinstance(node.get("allOf"), list) else []) + [{"anyOf": branches}]
+    else:
+        node["anyOf"] = branches
+    return True

@@ -1,0 +1,155 @@
+"""oneOf whose members may overlap, served exactly (replicas/schema_oneof.py): for each idiom seen
+in JSONSchemaBench, instances jsonschema accepts are accepted through the whole path (schema in,
+llguidance matcher, text token by token, then EOS) and instances it rejects, among them one that
+matches two members, are rejected in every key order; a oneOf whose overlap cannot be negated
+exactly stays refused, naming where."""
+
+import gzip
+import json
+import random
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from replicas.errors import GrammarCompileError
+from replicas.grammar import GrammarSpec
+
+INT = {"type": "integer"}
+DEFS = {"base": {"type": "object", "properties": {"kind": {"type": "string"}, "n": INT}, "required": ["kind"]},
+        "s": {"type": "string"}}
+
+# (idiom, schema, valid instances, invalid instances, one that matches two members or None)
+IDIOMS = [
+    ("required names tell the members apart",
+     {"type": "object", "properties": {"a": INT, "b": INT}, "oneOf": [{"required": ["a"]}, {"required": ["b"]}]},
+     [{"a": 1}, {"b": 2}], [{}], {"a": 1, "b": 2}),
+    ("several required names per member (Glaiveai2K shapes)",
+     {"type": "object", "properties": {"radius": INT, "length": INT, "width": INT},
+      "oneOf": [{"required": ["radius"]}, {"required": ["length", "width"]}]},
+     [{"radius": 1}, {"length": 1, "width": 2}, {"radius": 1, "length": 2}],
+     [{"length": 1}], {"radius": 1, "length": 1, "width": 2}),
+    ("closed objects with different names (both accept {})",
+     {"oneOf": [{"type": "object", "properties": {"foo": INT}, "additionalProperties": False},
+                {"type": "object", "properties": {"bar": INT}, "additionalProperties": False}]},
+     [{"foo": 1}, {"bar": 2}], [{"foo": 1, "bar": 2}], {}),
+    ("$ref members of different types",
+     {"$defs": DEFS, "oneOf": [{"$ref": "#/$defs/s"}, {"type": "null"}]},
+     ["x", None], [1], None),
+    ("allOf of a $ref base and an enum tag the base requires (disjoint)",
+     {"$defs": DEFS, "oneOf": [{"allOf": [{"$ref": "#/$defs/base"}, {"properties": {"kind": {"enum": ["a"]}}}]},
+                               {"allOf": [{"$ref": "#/$defs/base"}, {"properties": {"kind": {"enum": ["b"]}}}]}]},
+     [{"kind": "a", "n": 1}, {"kind": "b"}], [{"kind": "c"}, {"n": 1}], None),
+    ("tag members without a type: a non-object matches every member",
+     {"required": ["t"], "oneOf": [{"properties": {"t": {"const": "x"}}},
+                                  {"properties": {"t": {"const": "y"}, "v": {"enum": ["p", "q"]}}}]},
+     [{"t": "x"}, {"t": "y", "v": "p"}], [{"t": "y", "v": "r"}, {"t": "z"}], "s"),
+    ("optional tag: an object without it matches both",
+     {"type": "object", "oneOf": [{"properties": {"k": {"const": "x"}}}, {"properties": {"k": {"const": "y"}}}]},
+     [{"k": "x"}, {"k": "y"}], [{"k": "z"}], {}),
+    ("overlapping array lengths",
+     {"type": "array", "items": INT, "oneOf": [{"maxItems": 2}, {"minItems": 2}]},
+     [[1], [1, 2, 3]], [["a"]], [1, 2]),
+    ("overlapping integer ranges",
+     {"oneOf": [{"type": "integer", "maximum": 5}, {"type": "integer", "minimum": 3}]},
+     [1, 7], ["a", 2.5], 4),
+    ("a string enum against any string (negated as a pattern)",
+     {"type": "object", "properties": {"t": {"type": "string"}}, "required": ["t"],
+      "oneOf": [{"properties": {"t": {"enum": ["x", "y"]}}}, {"properties": {"t": {"maxLength": 1}}}]},
+     [{"t": "z"}], [{"t": "zz"}, {"t": "xy"}], {"t": "x"}),
+    ("arrays of disjoint items (both accept [])",
+     {"oneOf": [{"type": "array", "items": {"type": "string"}}, {"type": "array", "items": INT}]},
+     [["a"], [1]], [["a", 1]], []),
+    ("a boolean const against a boolean",
+     {"oneOf": [{"type": "boolean"}, {"const": True}]},
+     [False], [None], True),
+]
+
+
+def _validator(schema):
+    cls = jsonschema.validators.validator_for(schema)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+def _grammar(engine, schema):
+    from bench.grammar_soundness import Grammar
+    return Grammar(engine.grammar, engine.tokenizer, schema)
+
+
+@pytest.mark.parametrize("idiom,schema,valid,invalid,two", IDIOMS, ids=[i[0] for i in IDIOMS])
+def test_overlapping_one_of_is_served_exactly(engine, idiom, schema, valid, invalid, two):
+    v = _validator(schema)
+    if two is not None:   # it matches two members (the overlap the rewrite removes): oneOf rejects it
+        assert sum(_validator({**schema, "oneOf": [m]}).is_valid(two) for m in schema["oneOf"]) >= 2
+        invalid = [two, *invalid]
+    assert all(v.is_valid(x) for x in valid) and not any(v.is_valid(x) for x in invalid)
+    g = _grammar(engine, schema)
+    assert g.backend == "llguidance"
+    for x in valid:
+        assert g.guided(x) is not None, x          # accepted, in some key order
+    for x in invalid:
+        assert g.guided(x) is None, x              # rejected in every key order
+    rng = random.Random(0)
+    for _ in range(3):                             # what the grammar writes validates
+        text = g.sample(rng)
+        assert text is None or v.is_valid(json.loads(text)), text
+
+
+@pytest.mark.parametrize("schema,needle", [
+    ({"oneOf": [{"type": "number"}, {"type": "integer", "minimum": 3}]}, "oneOf with members that may overlap at $"),
+    ({"type": "object", "properties": {"p": {"oneOf": [{"type": "string", "pattern": "^a"},
+                                                       {"type": "string", "pattern": "b$"}]}}},
+     "oneOf with members that may overlap at $.properties.p"),
+    ({"type": "array", "oneOf": [{"items": INT}, {"items": {"type": "number"}}]},
+     "oneOf with members that may overlap at $"),
+])
+def test_overlap_that_cannot_be_negated_exactly_stays_refused(engine, schema, needle):
+    with pytest.raises(GrammarCompileError, match="cannot enforce") as e:
+        engine.grammar.compile(GrammarSpec("json_schema", schema))
+    assert needle in str(e.value), str(e.value)
+
+
+def test_rewrite_leaves_disjoint_members_as_they_are():
+    from replicas.grammar import _llguidance_schema
+    schema = {"$defs": DEFS, "oneOf": [{"$ref": "#/$defs/s"}, {"type": "null"}, INT]}
+    assert _llguidance_schema(schema, False)["anyOf"] == schema["oneOf"]
+    assert "oneOf" in _llguidance_schema({"oneOf": [{"type": "number"}, INT]}, False)   # left to llguidance
+
+
+def test_unsatisfiable_one_of_is_refused_not_served(engine):
+    """Every member's names required beside the oneOf: every object matches all three members."""
+    schema = {"type": "object", "properties": {"a": INT, "b": INT}, "required": ["a", "b"],
+              "oneOf": [{"required": ["a"]}, {"required": ["b"]}]}
+    with pytest.raises(GrammarCompileError, match="Unsatisfiable|cannot accept any value"):
+        engine.grammar.compile(GrammarSpec("json_schema", schema))
+
+
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "jsonschemabench" / "schemas"
+# JSONSchemaBench schemas llguidance refused for an overlapping oneOf before the rewrite (one per
+# idiom: required names, closed objects, tags beside a required name, $ref members, nullable).
+NEWLY_SERVED = [("Glaiveai2K", 282), ("Github_medium", 234), ("Github_hard", 73), ("Github_hard", 1031),
+                ("Github_medium", 1034), ("JsonSchemaStore", 316), ("Snowplow", 264), ("Github_hard", 834)]
+
+
+@pytest.mark.skipif(not DATA.is_dir(), reason="JSONSchemaBench data not present")
+def test_newly_served_jsonschemabench_schemas_write_only_valid_instances(engine):
+    rows = {}
+    for subset in {s for s, _ in NEWLY_SERVED}:
+        with gzip.open(DATA / f"{subset}.jsonl.gz", "rt") as f:
+            rows[subset] = [json.loads(line) for line in f]
+    rng, served = random.Random(0), 0
+    for subset, i in NEWLY_SERVED:
+        row = rows[subset][i]
+        schema = row.get("json_schema", row.get("schema", row))
+        schema = json.loads(schema) if isinstance(schema, str) else schema
+        try:
+            g = _grammar(engine, schema)
+        except GrammarCompileError as e:
+            assert "oneOf" not in str(e), (subset, i, str(e)[:300])   # refused, if at all, for another keyword
+            continue
+        served += 1
+        v = _validator(schema)
+        for _ in range(4):
+            text = g.sample(rng)
+            assert text is None or v.is_valid(json.loads(text)), (subset, i, text)
+    assert served >= 6
