@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import json
 import math
 import time
@@ -36,6 +37,8 @@ from replicas.prompt_labels import prompt_labels
 from replicas.tagger import StructuralTagger, bucket_of
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+logger = logging.getLogger(__name__)
 
 
 def build_rank(config: EngineConfig, rank: int, world_size: int, port: int, addr: str = "127.0.0.1",
@@ -160,6 +163,10 @@ class LLMEngine:
                 self.policy.check(self.max_model_len, config.kv_budget, self.kv)
             except ValueError as e:
                 raise ValueError(f"kv_policy {config.kv_policy!r} cannot serve kv_budget {config.kv_budget}: {e}") from None
+            if config.kv_budget < self.policy.floor_cost:   # the floors depend on each prompt: warn, not refuse
+                logger.warning("kv_budget %.4g is below kv_policy %r's floors on its calibration data (%.4g of full KV): "
+                               "requests that send no kv_budget will mostly be refused", config.kv_budget,
+                               config.kv_policy, self.policy.floor_cost)
         self.generator = torch.Generator().manual_seed(config.seed)
         # Jump-forward only where the policy takes generated tokens as a chunk (else: no change).
         self.jump_forward = config.enable_jump_forward and self.policy.spec.forced_chunks

@@ -235,12 +235,15 @@ def test_decode_side_is_not_drained_when_the_prompt_fills_the_budget(chat_prompt
         assert seq.metrics.kv_ratio_max <= 0.5 + 1e-6
 
 
-def test_a_default_budget_below_the_floors_says_it_is_the_servers(chat_prompts):
-    """A request that sends no kv_budget and is refused for the server's default is told so (and
-    the budget a short prompt was raised to is named)."""
+def test_a_default_budget_below_the_floors_says_it_is_the_servers(chat_prompts, caplog):
+    """A server default below PASK's floors is warned about at start; a request that sends no
+    kv_budget and is refused for it is told so (and the budget a short prompt was raised to is
+    named)."""
     from replicas.config import EngineConfig
     from replicas.engine import LLMEngine
-    eng = LLMEngine(EngineConfig(kv_policy="pask", kv_budget=0.02, kv_cache_bytes=64 << 20))
+    with caplog.at_level("WARNING", logger="replicas.engine"):
+        eng = LLMEngine(EngineConfig(kv_policy="pask", kv_budget=0.02, kv_cache_bytes=64 << 20))
+    assert "kv_budget 0.02 is below kv_policy 'pask''s floors" in caplog.text
     with pytest.raises(InvalidRequestError, match=r"floors keep .* budget of 0\.02;.*sent no kv_budget, so the "
                                                   r"server's default kv_budget 0\.02 applies"):
         eng.add_request("a", chat_prompts[1] * 3)
