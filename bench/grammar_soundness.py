@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 
 from bench.grammar_coverage import JSONSCHEMABENCH_DIR, _before_check
+from replicas.schema_oneof import UnresolvedRef, resolve_pointer
 
 N_VALID, N_INVALID, N_SAMPLES = 3, 6, 1
 
@@ -263,18 +264,11 @@ def invalid_instances(v, valids: list, n: int, rng: random.Random) -> list:
 
 # ---------------------------------------------------------------------------------- layouts
 def _resolve(root, ref: str):
-    if ref == "#":
-        return root
-    if not ref.startswith("#/"):
+    """The node a local ``$ref`` names, or None (``replicas.schema_oneof.resolve_pointer``)."""
+    try:
+        return resolve_pointer(root, ref)
+    except UnresolvedRef:
         return None
-    node = root
-    for part in ref[2:].split("/"):
-        part = part.replace("~1", "/").replace("~0", "~")
-        try:
-            node = node[int(part)] if isinstance(node, list) else node[part]
-        except (KeyError, IndexError, ValueError, TypeError):
-            return None
-    return node
 
 
 def _expand(nodes, root):

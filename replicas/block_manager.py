@@ -90,6 +90,7 @@ class BlockManager:
         self.shared_pages = torch.zeros(r, dtype=torch.int64)
         self.snap_pages = {p: torch.zeros(r, l, dtype=torch.int64) for p in BITS}
         self.num_unshared_pages = 0   # compressed-prefix pages copied by unshare (copy-on-write)
+        self.has_snapshots = False    # set once a compressed prefix is shared: only then are snap_pages checked
         self.bytes_used = 0
         # Set by a prefix cache: evictor(pages) frees up to ``pages`` unreferenced cached HIGH pages.
         self.evictor = None
@@ -173,7 +174,8 @@ class BlockManager:
         shared pages (a compressed prefix's must be :meth:`unshare` d first)."""
         if p == Precision.HIGH and bool((slots < self.shared_pages[rows] * self.block_size).any()):
             raise ValueError("a shared prefix page is read-only: its entries cannot be released or demoted")
-        if layers is not None and bool((slots < self.snap_pages[p][rows, layers] * self.block_size).any()):
+        if layers is not None and self.has_snapshots and \
+                bool((slots < self.snap_pages[p][rows, layers] * self.block_size).any()):
             raise ValueError("a compressed prefix page is shared: unshare it before changing its entries")
 
     def unshare(self, row: int, layer: int, p: Precision):
@@ -272,7 +274,8 @@ class BlockManager:
         indices of the data to move (``pool[dst] = pool[src]``)."""
         n = int(self.num_slots[p][row, layer])
         if slots.numel():
-            self.check_not_shared(torch.full_like(slots, row), slots, p, torch.full_like(slots, layer))
+            self.check_not_shared(torch.full_like(slots, row), slots, p,
+                                  torch.full_like(slots, layer) if self.has_snapshots else None)
         drop = torch.zeros(n, dtype=torch.bool)
         drop[slots] = True
         keep_n = n - int(drop.sum())
@@ -363,9 +366,10 @@ class BlockManager:
         high = (loc & 3) == int(Precision.HIGH)
         self.check_not_shared(rows[high], (loc[high] >> 2).long(), Precision.HIGH)
         prec, slot = loc & 3, (loc >> 2).long()
-        for p in BITS:
-            m = prec == int(p)
-            self.check_not_shared(rows[m], slot[m], p, layers[m])
+        if self.has_snapshots:
+            for p in BITS:
+                m = prec == int(p)
+                self.check_not_shared(rows[m], slot[m], p, layers[m])
         self.location[rows, layers, positions] = -1
         out, bs = {}, self.block_size
         for p in BITS:

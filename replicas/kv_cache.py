@@ -29,6 +29,7 @@ import torch
 import kernels
 from replicas.block_manager import BlockManager, KVCacheOutOfMemory, TRASH_PAGE
 from replicas.precision import BITS, Precision
+from replicas.prefix_cache import PrefixCache, shadow_id
 
 BLOCK_TABLE_ENTRY_BYTES = 4
 ALL_PRECISIONS = (Precision.HIGH, Precision.INT8, Precision.INT4)
@@ -160,12 +161,11 @@ class KVCache:
         shares the cached pages and that its chunks attend to; the sequence's own row gets the
         prefix copied at its targets. ``keep``: tokens at a prompt's end never taken from the
         cache (the policy's observation window is computed)."""
-        from replicas.prefix_cache import PrefixCache
         if self.prefix is None:
-            self.prefix = PrefixCache(self.blocks, key)
+            self.prefix = PrefixCache(self.blocks, key, shadow, keep)
         else:
             self.prefix.set_key(key)
-        self.prefix.shadow, self.prefix.keep = shadow, max(1, keep)
+            self.prefix.shadow, self.prefix.keep = shadow, max(1, keep)
 
     def prefix_hit(self, token_ids: list[int]) -> tuple[int, int]:
         """``(tokens of token_ids cached, bytes of those cached pages now evictable)``."""
@@ -178,7 +178,6 @@ class KVCache:
             return 0
         if not self.prefix.shadow:
             return self.prefix.attach(seq_id, token_ids, self.prefix.keep)
-        from replicas.prefix_cache import shadow_id
         self.blocks.add(shadow_id(seq_id))
         return self.prefix.attach(shadow_id(seq_id), token_ids, self.prefix.keep)
 
@@ -186,7 +185,6 @@ class KVCache:
         """The row id of ``seq_id``'s full-precision shadow while its prompt is prefilled, or None."""
         if self.prefix is None or not self.prefix.shadow:
             return None
-        from replicas.prefix_cache import shadow_id
         sid = shadow_id(seq_id)
         return sid if sid in self.blocks.rows else None
 
@@ -448,7 +446,8 @@ class KVCache:
             self._zero_fresh(precision)
         for _, p in firsts:
             m = src == int(p)
-            self._unshare(row, layer, p, slot[m])
+            if b.has_snapshots:
+                self._unshare(row, layer, p, slot[m])
             flat = b.flat_slots(row, layer, p, slot[m])
             if precision != Precision.RELEASED:
                 k, v = self._read(p, flat)
@@ -460,13 +459,14 @@ class KVCache:
     def release_one(self, seq_rows: torch.Tensor, layers: torch.Tensor, positions: torch.Tensor) -> None:
         """Release one kept entry per (row, layer) pair, the pairs distinct, in one batched
         swap-remove (what ``set_precision(..., RELEASED)`` does for a single position)."""
-        b = self.blocks
-        if any(bool(t.any()) for t in b.snap_pages.values()):
+        if self.blocks.has_snapshots:   # rows may share a compressed prefix
+            b = self.blocks
             loc = b.location[seq_rows, layers, positions]
-            for i in range(loc.numel()):
-                if int(loc[i]) >= 0:
-                    self._unshare(int(seq_rows[i]), int(layers[i]), Precision(int(loc[i]) & 3),
-                                  torch.tensor([int(loc[i]) >> 2]))
+            for p in BITS:
+                hit = (loc >= 0) & ((loc & 3) == int(p))
+                hit &= (loc >> 2) < b.snap_pages[p][seq_rows, layers] * b.block_size
+                for i in hit.nonzero().flatten().tolist():   # copy-on-write, rare
+                    self._unshare(int(seq_rows[i]), int(layers[i]), p, (loc[i:i + 1] >> 2).long())
         for p, (dst, src) in self.blocks.release_one(seq_rows, layers, positions).items():
             self._move(p, dst, src)
 

@@ -96,13 +96,17 @@ class PrefixCache:
     Args:
         blocks: the block manager; the cache installs itself as its ``evictor``.
         key: anything with a stable ``repr`` naming the model, policy and table versions.
+        shadow: the policy compresses its prompt: a prompt in progress holds the cached blocks
+            in a full-precision shadow row, its own row a copy (``KVCache.attach_prefix``).
+        keep: tokens at a prompt's end never taken from the cache (the policy's window).
 
     Attributes:
         queries, hits: prompt tokens looked up and tokens found cached (vLLM's
             ``prefix_cache_queries`` / ``prefix_cache_hits``), since the engine started.
+        compressed_hits: prompt tokens attached from a shared compressed prefix.
     """
 
-    def __init__(self, blocks: BlockManager, key):
+    def __init__(self, blocks: BlockManager, key, shadow: bool = False, keep: int = 1):
         self.blocks, self.bs = blocks, blocks.block_size
         self._key = repr(key).encode()
         self.table: dict[bytes, CachedBlock] = {}
@@ -113,7 +117,7 @@ class PrefixCache:
         self.seq_snapshot: dict[object, CompressedPrefix] = {}
         self.queries = self.hits = 0
         self.compressed_hits = 0   # prompt tokens attached from a compressed prefix
-        self.shadow, self.keep = False, 1   # set by KVCache.enable_prefix_cache
+        self.shadow, self.keep = shadow, max(1, keep)
         self._block_cost = blocks.num_layers * blocks.page_costs[Precision.HIGH]
         blocks.evictor = self.evict
 
@@ -127,20 +131,15 @@ class PrefixCache:
         """Serve a new model / table version: entries of the old key are dropped (freed at once
         if unreferenced, else when their last sequence finishes)."""
         self._key = repr(key).encode()
-        for block in self.table.values():
-            if block.refs:
-                block.stale = True
-            else:
-                self._free(block)
-        self.table.clear()
-        self.idle.clear()
-        for snap in self.snapshots.values():
-            if snap.refs:
-                snap.stale = True
-            else:
-                self._free_snapshot(snap)
-        self.snapshots.clear()
-        self.idle_snapshots.clear()
+        for entries, idle, free in ((self.table, self.idle, self._free),
+                                    (self.snapshots, self.idle_snapshots, self._free_snapshot)):
+            for entry in entries.values():   # referenced ones are freed when their last row lets go
+                if entry.refs:
+                    entry.stale = True
+                else:
+                    free(entry)
+            entries.clear()
+            idle.clear()
 
     # ------------------------------------------------------------------ lookup
     def match(self, token_ids: list[int], keep: int = 1) -> list[CachedBlock]:
@@ -320,6 +319,7 @@ class PrefixCache:
             if dst:
                 moves[p] = (torch.cat(dst), torch.cat(src))
         b.bytes_used += cost
+        b.has_snapshots = True
         snap = CompressedPrefix(key, num_tokens, counts, positions, pages, nbytes, refs=1)
         self.snapshots[key] = snap
         self.seq_snapshot[seq_id] = snap

@@ -68,30 +68,32 @@ def _canon(v: Any) -> str:
     return json.dumps(norm(v), sort_keys=True)
 
 
-class _Unresolved(Exception):
-    pass
+class UnresolvedRef(Exception):
+    """A ``$ref`` that is not a local JSON pointer into the schema, or points nowhere."""
 
 
-def _pointer(root: Any, ref: str) -> Any:
+def resolve_pointer(root: Any, ref: str) -> Any:
+    """The node of ``root`` that the local ``$ref`` ``ref`` (``#`` or ``#/a/0/b``, RFC 6901
+    escapes) names. Raises :class:`UnresolvedRef`."""
     if ref == "#":
         return root
     if not ref.startswith("#/"):
-        raise _Unresolved(ref)
+        raise UnresolvedRef(ref)
     node = root
     for part in ref[2:].split("/"):
         part = part.replace("~1", "/").replace("~0", "~")
         try:
             node = node[int(part)] if isinstance(node, list) else node[part]
         except (KeyError, IndexError, ValueError, TypeError):
-            raise _Unresolved(ref) from None
+            raise UnresolvedRef(ref) from None
     return node
 
 
 def facets(node: Any, root: Any, depth: int = 0) -> list:
     """``node`` as a conjunction: itself (without ``$ref`` and ``allOf``), its ``allOf``
-    members and what its local ``$ref`` chain points to. Raises :class:`_Unresolved` for a ``$ref`` it cannot follow."""
+    members and what its local ``$ref`` chain points to. Raises :class:`UnresolvedRef` for a ``$ref`` it cannot follow."""
     if depth > 32:
-        raise _Unresolved("too deep")
+        raise UnresolvedRef("too deep")
     if node is True or node is False:
         return [node]
     if not isinstance(node, dict):
@@ -102,7 +104,7 @@ def facets(node: Any, root: Any, depth: int = 0) -> list:
     out = [{k: v for k, v in node.items() if k not in ("$ref", "allOf") or not isinstance(v, (str, list))}]
     for m in all_of if isinstance(all_of, list) else []:
         out += facets(m, root, depth + 1)
-    return out + (facets(_pointer(root, ref), root, depth + 1) if isinstance(ref, str) else [])
+    return out + (facets(resolve_pointer(root, ref), root, depth + 1) if isinstance(ref, str) else [])
 
 
 class Info:
@@ -172,7 +174,7 @@ class Info:
 def _info(fs: list, root: Any) -> Info | None:
     try:
         return Info(fs, root)
-    except _Unresolved:
+    except UnresolvedRef:
         return None
 
 
@@ -226,7 +228,7 @@ def _objects_disjoint(ia: Info, ib: Info, root: Any, depth: int) -> bool:
         return True
     try:
         return any(disjoint(ia.prop(p), ib.prop(p), root, depth + 1) for p in sorted(ia.required | ib.required))
-    except _Unresolved:
+    except UnresolvedRef:
         return False
 
 
@@ -302,7 +304,7 @@ def _negate_keyword(k: str, v: Any, f: dict, ci: Info, ctx: list, root: Any, dep
             try:
                 sub = ci.prop(p)
                 negs = negate(facets(s, root), sub, root, depth + 1)
-            except _Unresolved:
+            except UnresolvedRef:
                 raise _Inexpressible("an unresolved $ref") from None
             out += [{"type": "object", "required": [p], "properties": {p: n}} for n in negs]
         return out
@@ -332,7 +334,7 @@ def _negate_keyword(k: str, v: Any, f: dict, ci: Info, ctx: list, root: Any, dep
         try:
             if own and disjoint([x for g in own for x in facets(g, root)], facets(v, root), root):
                 return [{"type": "array", "minItems": 1}]
-        except _Unresolved:
+        except UnresolvedRef:
             pass
         raise _Inexpressible("items")
     if k in ("const", "enum"):
@@ -383,7 +385,7 @@ def _negate_keyword(k: str, v: Any, f: dict, ci: Info, ctx: list, root: Any, dep
         for s in v:
             try:
                 out += negate(facets(s, root), ctx, root, depth + 1)
-            except _Unresolved:
+            except UnresolvedRef:
                 raise _Inexpressible("an unresolved $ref") from None
         return out
     if k == "anyOf":
@@ -391,7 +393,7 @@ def _negate_keyword(k: str, v: Any, f: dict, ci: Info, ctx: list, root: Any, dep
             raise _Inexpressible(k)
         try:
             each = [negate(facets(s, root), ctx, root, depth + 1) for s in v]
-        except _Unresolved:
+        except UnresolvedRef:
             raise _Inexpressible("an unresolved $ref") from None
         if any(not n for n in each):
             return []   # a member that always holds
@@ -467,7 +469,7 @@ def rewrite_one_of(node: dict, root: Any) -> bool:
     try:
         base = facets(parent, root)
         fs = [facets(m, root) for m in members]
-    except _Unresolved:
+    except UnresolvedRef:
         return False
     branches = []
     for i, m in enumerate(members):
