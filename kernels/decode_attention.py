@@ -205,11 +205,21 @@ def _dequantize_into(x: torch.Tensor, scale: torch.Tensor, bits: int, out: torch
     torch.mul(torch.bitwise_right_shift(x, 4), s, out=pairs[..., 1])
 
 
+# The multi-pool CPU path gathers and dequantizes this many bytes of float32 keys and values at a
+# time (a chunk of consecutive sequences), attends them, then reuses the buffer for the next chunk,
+# so what SDPA reads back is still in the cache. Measured on this project's 2-core EPYC (32 MiB L3),
+# batch 8, 3,840 tokens, 4 KV heads x 32, one layer, medians of 15 calls: one 31 MiB buffer for the
+# whole batch 12.4 ms (full KV) / 4.8 ms (PASK's mix, 95 % INT8); 8 MiB chunks 2.7 / 2.3 ms;
+# 16 MiB 4.6 / 3.3 ms; 1-4 MiB 2.8 ms.
+POOLS_CHUNK_BYTES = 8 << 20
+
+
 def paged_decode_attention_pools_ref(q, pools, extra_kv=None, sm_scale: float | None = None):
-    """Decode attention over several pools at once (plain torch, for the CPU): each pool's kept
+    """Decode attention over several pools at once (plain torch, for the CPU): for each chunk of
+    consecutive sequences (:data:`POOLS_CHUNK_BYTES` of float32 keys and values), each pool's kept
     pages are gathered (``index_select`` over page ids) and dequantized straight into one reused
-    float32 buffer laid out ``[B, Hkv, T, D]`` (rows of keys contiguous, which the fused SDPA
-    kernel reads about twice as fast as a ``[B, T, Hkv, D]`` view), and the buffer is attended in
+    float32 buffer laid out ``[c, Hkv, T, D]`` (rows of keys contiguous, which the fused SDPA
+    kernel reads about twice as fast as a ``[c, T, Hkv, D]`` view), and the buffer is attended in
     one masked SDPA call, instead of one call per pool merged by log-sum-exp.
 
     Args:
@@ -229,31 +239,39 @@ def paged_decode_attention_pools_ref(q, pools, extra_kv=None, sm_scale: float | 
         if max_len:
             parts.append((k, v, k_scale, v_scale, block_table, lens, bits, max_len))
     total = sum(p[-1] for p in parts) + (extra_kv is not None)
+    out = torch.zeros(b, hq, d, dtype=torch.float32, device=q.device)
     if not total:
-        return torch.zeros(b, hq, d, dtype=torch.float32, device=q.device)
+        return out
     hkv = parts[0][0].shape[2] if parts else extra_kv[0].shape[1]
-    keys = _workspace("pools_k", (b, hkv, total, d), torch.float32, q.device)
-    values = _workspace("pools_v", (b, hkv, total, d), torch.float32, q.device)
-    mask = torch.empty(b, total, dtype=torch.bool, device=q.device)
-    at = 0
-    for k, v, k_scale, v_scale, block_table, lens, bits, max_len in parts:
-        bs = k.shape[1]
-        num_pages = -(-max_len // bs)
-        pages = block_table[:, :num_pages].reshape(-1).long()
-        for pool, scale, out in ((k, k_scale, keys), (v, v_scale, values)):
-            x = pool.index_select(0, pages).view(b, num_pages * bs, *pool.shape[2:])[:, :max_len]
-            sx = None if not bits else scale.index_select(0, pages).view(b, num_pages * bs, hkv)[:, :max_len]
-            _dequantize_into(x, sx, bits, out[:, :, at:at + max_len].transpose(1, 2))
-        mask[:, at:at + max_len] = torch.arange(max_len, device=q.device)[None, :] < lens.to(q.device)[:, None]
-        at += max_len
-    if extra_kv is not None:
-        ek, ev, emask = extra_kv
-        keys[:, :, at] = ek
-        values[:, :, at] = ev
-        mask[:, at] = emask.to(q.device)
-    out = F.scaled_dot_product_attention(q.float()[:, :, None], keys, values,
-                                         attn_mask=mask[:, None, None, :], scale=sm_scale, enable_gqa=True)
-    return out[:, :, 0].nan_to_num_(0.0)
+    qf = q.float()[:, :, None]                                           # [B, Hq, 1, D]
+    size = max(1, min(b, POOLS_CHUNK_BYTES // (2 * hkv * total * d * 4)))
+    for s0 in range(0, b, size):
+        s1 = min(b, s0 + size)
+        c = s1 - s0
+        keys = _workspace("pools_k", (c, hkv, total, d), torch.float32, q.device)
+        values = _workspace("pools_v", (c, hkv, total, d), torch.float32, q.device)
+        mask = torch.empty(c, total, dtype=torch.bool, device=q.device)
+        at = 0
+        for k, v, k_scale, v_scale, block_table, lens, bits, max_len in parts:
+            bs = k.shape[1]
+            num_pages = -(-max_len // bs)
+            pages = block_table[s0:s1, :num_pages].reshape(-1).long()
+            for pool, scale, buf in ((k, k_scale, keys), (v, v_scale, values)):
+                x = pool.index_select(0, pages).view(c, num_pages * bs, *pool.shape[2:])[:, :max_len]
+                sx = None if not bits else scale.index_select(0, pages).view(c, num_pages * bs, hkv)[:, :max_len]
+                _dequantize_into(x, sx, bits, buf[:, :, at:at + max_len].transpose(1, 2))
+            mask[:, at:at + max_len] = (torch.arange(max_len, device=q.device)[None, :]
+                                        < lens[s0:s1].to(q.device)[:, None])
+            at += max_len
+        if extra_kv is not None:
+            ek, ev, emask = extra_kv
+            keys[:, :, at] = ek[s0:s1]
+            values[:, :, at] = ev[s0:s1]
+            mask[:, at] = emask[s0:s1].to(q.device)
+        o = F.scaled_dot_product_attention(qf[s0:s1], keys, values, attn_mask=mask[:, None, None, :],
+                                           scale=sm_scale, enable_gqa=True)
+        out[s0:s1] = o[:, :, 0]
+    return out.nan_to_num_(0.0)
 
 
 def merge_attention_states(outs, lses, return_lse: bool = False):

@@ -136,10 +136,14 @@ def test_merge_equals_attention_over_union():
                                    atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("chunk_bytes", [None, 1])
 @pytest.mark.parametrize("with_self", [False, True])
-def test_pools_reference_equals_float64_attention_over_the_union(with_self):
+def test_pools_reference_equals_float64_attention_over_the_union(with_self, chunk_bytes, monkeypatch):
     """HIGH, INT8 and INT4 pools (ragged, one row empty in a pool, one row empty everywhere but
-    its own key) attended in one call equal dense float64 attention over every kept entry."""
+    its own key) attended in one call equal dense float64 attention over every kept entry, with
+    the batch in one chunk and in chunks of one sequence (``chunk_bytes=1``)."""
+    if chunk_bytes is not None:
+        monkeypatch.setattr(kernels.decode_attention, "POOLS_CHUNK_BYTES", chunk_bytes)
     torch.manual_seed(1)
     bs, hq, hkv, d = 4, 6, 3, 8
     lens = {0: [5, 0, 3, 0], 8: [2, 9, 0, 0], 4: [7, 1, 4, 0]}
