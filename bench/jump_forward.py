@@ -7,7 +7,8 @@ Runs the synthetic test split (``--limit`` examples per category, the first ones
 engine twice, greedy, tools grammar (``tool_choice: auto``), once with ``enable_jump_forward``
 off and once on, same prompts, same batch. Per run: tool calls parsed from the outputs, tokens
 generated per call and decode steps per call (a decode step samples a token; jump-forward's
-tokens are appended without one: ``RequestMetrics.num_forced_tokens``), accuracy per category
+draft tokens the model then samples itself are appended without one:
+``RequestMetrics.num_draft_tokens`` proposed, ``num_forced_tokens`` kept), accuracy per category
 (BFCL AST rules, ``bench.accuracy.score``); between the runs: how many outputs are identical
 (token ids) and how many texts are. Every number is a count: deterministic on any machine.
 """
@@ -51,7 +52,7 @@ def run(items, jump: bool, policy: str, budget: float, max_tokens: int, max_num_
         except ValueError:
             calls = 0
         per.append({"id": item.id, "category": item.category, "token_ids": out.token_ids, "text": out.text,
-                    "forced": out.metrics.num_forced_tokens, "calls": calls, "correct": score(item, out.text)})
+                    "forced": out.metrics.num_forced_tokens, "drafted": out.metrics.num_draft_tokens, "calls": calls, "correct": score(item, out.text)})
     return {"items": per, "engine_steps": steps, "jump_forward_active": eng.jump_forward}
 
 
@@ -65,6 +66,7 @@ def summarize(r: dict) -> dict:
     for p in per:
         acc.setdefault(p["category"], []).append(p["correct"])
     return {"calls": calls, "tokens": tokens, "forced_tokens": forced, "decode_steps": tokens - forced,
+            "draft_tokens": sum(p.get("drafted", 0) for p in with_calls),
             "tokens_per_call": tokens / calls if calls else 0.0,
             "decode_steps_per_call": (tokens - forced) / calls if calls else 0.0,
             "all_tokens": sum(len(p["token_ids"]) for p in per),
@@ -84,6 +86,7 @@ def compare(off: dict, on: dict) -> dict:
 def format_table(off: dict, on: dict, cmp: dict) -> str:
     rows = [f"{'':<28} {'off':>9} {'on':>9}"]
     for key, label in (("calls", "tool calls"), ("tokens", "tokens (outputs with calls)"),
+                       ("draft_tokens", "draft tokens (proposed)"),
                        ("forced_tokens", "forced tokens (no step)"), ("tokens_per_call", "tokens per call"),
                        ("decode_steps_per_call", "decode steps per call"), ("all_decode_steps", "decode steps (all)"),
                        ("engine_steps", "engine steps")):

@@ -36,8 +36,9 @@ class AppArgs(BaseModel):
                                          "wait one chunk, not a whole prompt).")
     enable_prefix_caching: bool = Field(False, description="Share the KV pages of identical prompt prefixes "
                                         "(system prompt, tools) between requests; with pask the compressed prefix is shared too.")
-    enable_jump_forward: bool = Field(False, description="Append the tokens a grammar forces (tool-call scaffold, "
-                                      "keys, the rest of an enum value) without a decode step each "
+    enable_jump_forward: bool = Field(False, description="Draft the tokens a grammar forces (tool-call scaffold, "
+                                      "keys, the rest of an enum value) and keep those the model samples itself, "
+                                      "without a decode step each: same outputs, fewer steps "
                                       "(EngineConfig.enable_jump_forward; docs/results/jump_forward.md).")
     max_pending: int = Field(256, ge=1, description="In-flight requests per replica before 429.")
     replica_retries: int = Field(1, ge=0, le=5, description="Times a request that received nothing yet is "

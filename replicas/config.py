@@ -27,14 +27,14 @@ class EngineConfig:
             prefix); PASK's compressed prefix is shared between requests too. Not with
             ``tensor_parallel_size`` > 1 (ValueError at start).
         enable_jump_forward: where the grammar forces the next text (a tool call's scaffold, a
-            key, the rest of an enum value), append its tokens without a decode step each and
-            feed them with the next step as one chunk (``replicas/jump_forward.py``). Only for
-            policies that take generated tokens as a chunk (``PolicySpec.forced_chunks``: full
-            KV, PASK, compilerkv+pask; the others decode forced tokens one step each) and
-            requests without logprobs, stop strings or stop token ids. Greedy outputs can differ
-            from decoding every token where the model would not spell the forced text as the
-            tokenizer does (measured: ``docs/results/jump_forward.md``); sampled outputs draw
-            fewer random numbers, so a seeded request gives other samples than without it.
+            key, the rest of an enum value), draft its tokens, feed them with the next step as
+            one chunk and keep those the model samples itself (speculative verification), so
+            they take no decode step each (``replicas/jump_forward.py``,
+            ``LLMEngine._verify_draft``). Outputs are those of decoding one token per step
+            (greedy and seeded sampling; up to float rounding). Only for policies that take
+            generated tokens as a chunk (``PolicySpec.forced_chunks``: full KV, PASK,
+            compilerkv+pask; the others decode forced tokens one step each) and requests
+            without logprobs, stop strings or stop token ids (``docs/results/jump_forward.md``).
         max_model_len: longest prompt + output in tokens (None: the model's context length).
         kv_policy: KV policy name (see ``replicas.policy.POLICIES``).
         kv_policy_args: keyword arguments of the policy.

@@ -384,13 +384,22 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        seqs, logits = self._forward(sched.decode, sched.prefill)
+        seqs, logits, drawn = self._forward(sched.decode, sched.prefill)
         if not seqs:
             return []
         want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw = torch.log_softmax(logits[want], dim=-1) if want else None  # before mask and temperature
-        self.grammar_mask(logits, seqs)
-        tokens = sample(logits, seqs, self.generator)
+        rest = [i for i in range(len(seqs)) if i not in drawn]   # drawn: a draft's rejection drew it
+        if len(rest) < len(seqs):
+            tokens = [drawn.get(i) for i in range(len(seqs))]
+            if rest:
+                sub = logits[rest]
+                self.grammar_mask(sub, [seqs[i] for i in rest])
+                for i, t in zip(rest, sample(sub, [seqs[i] for i in rest], self.generator)):
+                    tokens[i] = t
+        else:
+            self.grammar_mask(logits, seqs)
+            tokens = sample(logits, seqs, self.generator)
         for row, i in enumerate(want):
             self._record_logprob(seqs[i], raw[row], tokens[i])
         return [self._postprocess(s, t) for s, t in zip(seqs, tokens)]
@@ -407,10 +416,13 @@ class LLMEngine:
             seq.logprobs = []
         seq.logprobs.append(TokenLogprob(token, finite(float(logprobs[token])), top))
 
-    def _forward(self, decode: list[Sequence], work: list[PrefillWork]) -> tuple[list[Sequence], torch.Tensor | None]:
+    def _forward(self, decode: list[Sequence], work: list[PrefillWork]
+                 ) -> tuple[list[Sequence], torch.Tensor | None, dict[int, int]]:
         """One forward over the step's decode batch and prompt chunks; returns the sequences to
-        sample (the decode batch, then the prompts completed in this step) and their logits
-        ``[n, vocab]`` (None when there are none).
+        sample (the decode batch, then the prompts completed in this step), their logits
+        ``[n, vocab]`` (None when there are none) and, by index into them, the tokens already
+        drawn (a jump-forward draft verified in this step: the token the model sampled instead
+        of a draft token, ``_verify_draft``).
 
         Decode: the policy picks each new token's precision per layer, the cache places the
         batch (one plan), the policy's evictions are applied in one batched release. Prompts: a
@@ -419,9 +431,9 @@ class LLMEngine:
         is in, the policy compresses it (``on_prefill``). Then the budget is checked for every
         sequence sampled, at once."""
         spec, kv = self.policy.spec, self.kv
-        jumps = [s for s in decode if s.num_forced_pending]   # fed as a chunk: sampled + forced tokens
+        jumps = [s for s in decode if s.draft_token_ids]   # fed as a chunk: last sampled token + draft
         if jumps:
-            decode = [s for s in decode if not s.num_forced_pending]
+            decode = [s for s in decode if not s.draft_token_ids]
         plan = None
         if decode:
             targets = self.policy.decode_targets(decode, kv)
@@ -434,7 +446,7 @@ class LLMEngine:
             seq = item.seq
             shadow = kv.shadow_of(seq.request_id)
             if seq.prefill_state is None:   # its first chunk (after a cached prefix, if any)
-                seq.num_forced_pending = 0   # (a recompute prefills forced tokens with the rest)
+                self._drop_draft(seq)   # (preempted with one: the recompute samples again)
                 seq.prefill_state = {"targets": self.policy.prefill_targets(seq, kv), "queries": {}, "hidden": None}
                 if shadow is not None and item.start:   # a hit: its own copy of the prefix, at its targets
                     copies.append((seq.request_id, item.start, seq.prefill_state["targets"]))
@@ -443,9 +455,9 @@ class LLMEngine:
                                        None if targets is None else targets[item.start:item.end], item.is_last,
                                        shadow))
         for seq in jumps:
-            n, k = seq.num_tokens, seq.num_forced_pending + 1
-            chunks.append(PrefillChunk(seq.request_id, seq.all_token_ids[n - k:], n - k,
-                                       self._forced_targets(seq, n - k, n), True))
+            n, k = seq.num_tokens, len(seq.draft_token_ids)
+            chunks.append(PrefillChunk(seq.request_id, [seq.all_token_ids[-1], *seq.draft_token_ids], n - 1,
+                                       self._forced_targets(seq, n - 1, n + k), True, draft=True))
         try:
             for rid, n, targets in copies:
                 kv.copy_prefix(rid, n, targets)
@@ -454,7 +466,7 @@ class LLMEngine:
         except KVCacheOutOfMemory:   # the pool filled mid-forward: the step's sequences recompute later
             for seq in decode + jumps + [item.seq for item in work]:
                 self.scheduler.preempt(seq)
-            return [], None
+            return [], None, {}
         if kv.prefix is not None:   # every layer of these chunks is written: their full pages can be shared
             for item in work:
                 kv.cache_prefix(item.seq.request_id, item.seq.all_token_ids, item.end)
@@ -466,10 +478,13 @@ class LLMEngine:
                     kv.release_one(ev.rows, ev.layers, ev.positions)
                 for seq, a in ev.actions:
                     kv.set_precision(seq.request_id, a.layer, a.positions, a.precision)
+        drawn = {}
         for seq, res in zip(jumps, results[len(work):]):
-            seq.num_forced_pending = 0
+            row, token = self._verify_draft(seq, res.logits)
+            if token is not None:
+                drawn[len(done)] = token
             done.append(seq)
-            rows.append(res.logits[None])
+            rows.append(row[None])
         for item, res in zip(work, results[:len(work)]):
             seq, state = item.seq, item.seq.prefill_state
             seq.num_computed_tokens = item.end
@@ -502,13 +517,14 @@ class LLMEngine:
             done.append(seq)
             rows.append(res.logits[None])
         if not done:
-            return [], None
+            return [], None, {}
         self._enforce_budget(done)
         logits = torch.cat(rows)
         kept = [i for i, s in enumerate(done) if s.request_id in kv.seqs]   # not preempted by it
         if len(kept) < len(done):
-            return [done[i] for i in kept], (logits[kept] if kept else None)
-        return done, logits
+            drawn = {j: drawn[i] for j, i in enumerate(kept) if i in drawn}
+            return [done[i] for i in kept], (logits[kept] if kept else None), drawn
+        return done, logits, drawn
 
     def _forced_targets(self, seq: Sequence, start: int, end: int) -> torch.Tensor | None:
         """``[end - start, L]`` int64 Precision of ``seq``'s tokens at positions ``start .. end - 1``
@@ -604,11 +620,13 @@ class LLMEngine:
         return RequestOutput.of(seq)
 
     def _jump_forward(self, seq: Sequence) -> None:
-        """Append the tokens ``seq``'s grammar forces after its last sampled token
-        (``replicas/jump_forward.py``); the next step feeds them as one chunk. Not for requests
-        with logprobs (a forced token has no step to read them from), stop strings or stop token
-        ids (the checks above run per sampled token); at least one token of ``max_tokens`` and of
-        the context is left to sample."""
+        """Draft the tokens ``seq``'s grammar forces after its last sampled token
+        (``replicas/jump_forward.py``); the next step feeds them as one chunk and
+        :meth:`_verify_draft` keeps those the model samples itself. Not for requests with
+        logprobs, stop strings or stop token ids; at least one token of ``max_tokens`` and of the
+        context is left to sample. The matcher is left where it was (the draft is accepted again
+        token by token as it is verified); the draft's tags (PASK: the precisions its KV is
+        stored at) come from a copy of the tagger."""
         p = seq.params
         if p.logprobs is not None or p.stop or p.stop_token_ids:
             return
@@ -616,15 +634,64 @@ class LLMEngine:
         ids = forced_tokens(seq.matcher, lambda text: self._forced_tokenizer(seq.output_token_ids, text), room)
         if not ids:
             return
+        seq.matcher.rollback(len(ids))
         tagger = seq.policy_state.get("tagger")
-        for token in ids:
-            seq.output_token_ids.append(token)
-            if tagger is not None:
-                seq.policy_state.setdefault("tags", {})[seq.num_tokens - 1] = bucket_of(tagger.feed(self._token_text[token]))
-            seq.detokenizer.add(token)
-        seq.text = seq.detokenizer.text
-        seq.num_forced_pending += len(ids)
-        seq.metrics.num_forced_tokens += len(ids)
+        if tagger is not None:
+            draft_tagger, tags = tagger.copy(), seq.policy_state.setdefault("tags", {})
+            for i, token in enumerate(ids):
+                tags[seq.num_tokens + i] = bucket_of(draft_tagger.feed(self._token_text[token]))
+        seq.draft_token_ids = ids
+        seq.metrics.num_draft_tokens += len(ids)
+
+    def _verify_draft(self, seq: Sequence, logits: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+        """Keep the draft tokens the model samples itself, as speculative decoding verifies a
+        draft (Leviathan et al., 2023, with a draft that puts all its mass on one token: accept
+        it with the model's probability of it).
+
+        ``logits [k + 1, vocab]``: the model's logits after the last sampled token and after each
+        of the ``k`` draft tokens (one chunk). In order, each draft position is sampled as a
+        decode step would sample it (grammar mask, penalties, temperature, the request's
+        generator): a draw equal to the draft token appends it without a step of its own
+        (``metrics.num_forced_tokens``); the first draw that differs is the sequence's next
+        token, and the KV of the draft from there on is taken back (``KVCache.truncate``). So
+        every output token is drawn from the model's own distribution after the tokens before
+        it; greedy outputs are the tokens of decoding one step per token (up to the float
+        rounding of one chunk against single-token steps). Returns the logits row of the next
+        token ``[vocab]`` and that token if drawn here (None: all ``k`` kept, sample the row)."""
+        draft, seq.draft_token_ids = seq.draft_token_ids, []
+        start = seq.num_tokens   # the draft's first position
+        for i, token in enumerate(draft):
+            row = logits[i:i + 1].clone()
+            self.grammar_mask(row, [seq])
+            drawn = sample(row, [seq], self.generator)[0]
+            if drawn != token:
+                self.kv.truncate(seq.request_id, start + i)
+                self._drop_draft(seq, draft[i:], start + i)
+                return logits[i], drawn
+            self._accept_forced(seq, token)
+        return logits[len(draft)], None
+
+    def _accept_forced(self, seq: Sequence, token: int) -> None:
+        """Append a verified draft token: what :meth:`_postprocess` does for a sampled one, without
+        the stop checks (a draft holds no stop token and leaves room before ``max_tokens``)."""
+        seq.output_token_ids.append(token)
+        tagger = seq.policy_state.get("tagger")
+        if tagger is not None:
+            seq.policy_state.setdefault("tags", {})[seq.num_tokens - 1] = bucket_of(tagger.feed(self._token_text[token]))
+        if not seq.matcher.accept_token(token):
+            raise RuntimeError(f"request {seq.request_id!r}: its grammar refused draft token {token}")
+        seq.text += seq.detokenizer.add(token)
+        seq.metrics.num_forced_tokens += 1
+
+    @staticmethod
+    def _drop_draft(seq: Sequence, draft: list[int] | None = None, start: int | None = None) -> None:
+        """Forget a draft (or its tail ``draft`` from position ``start``): its tokens and tags."""
+        if draft is None:
+            draft, start, seq.draft_token_ids = seq.draft_token_ids, seq.num_tokens, []
+        tags = seq.policy_state.get("tags")
+        if tags:
+            for p in range(start, start + len(draft)):
+                tags.pop(p, None)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason

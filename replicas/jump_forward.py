@@ -1,14 +1,17 @@
-"""Jump-forward decoding: append the tokens a grammar forces without a decode step each.
+"""Jump-forward decoding: the tokens a grammar forces, without a decode step each.
 
 Where the grammar allows only one continuation text (the ``<tool_call>\\n{"name": "`` scaffold, a
 key after ``{``, the rest of an enum value once its prefix is unique), the matcher's
-``find_jump_forward_string`` gives it. The engine appends its tokens to the output at once and
-feeds them to the model as one short chunk with the next step (``LLMEngine._forward``), instead of
-one decode step per token (SGLang's jump-forward; vLLM does not do it).
+``find_jump_forward_string`` gives it. The engine drafts its tokens and feeds them to the model as
+one short chunk with the next step (``LLMEngine._forward``), instead of one decode step per token
+(SGLang's jump-forward; vLLM does not do it), then keeps the draft tokens the model samples itself
+at each position and takes back the rest (``LLMEngine._verify_draft``: speculative verification
+with the grammar as the draft model), so outputs are the model's own.
 
-Retokenization. The model would have spelled the forced text with tokens of its own choosing; we
-take the tokenizer's canonical tokenization of it *in context*, which is what a model trained on
-tokenized text (ours: the synthetic task) produces, with two guards at the boundaries:
+Retokenization. The model would have spelled the forced text with tokens of its own choosing; the
+draft is the tokenizer's canonical tokenization of it *in context*, which is what a model trained
+on tokenized text (ours: the synthetic task) mostly produces (a spelling it does not produce is
+rejected by the verification: a wasted row, not a changed output), with two guards at the boundaries:
 
 - left: no sampled token is rolled back (SGLang retokenizes the last sampled token with the
   forced text, which can change a token the model already chose). The last few sampled tokens'
@@ -20,9 +23,9 @@ tokenized text (ours: the synthetic task) produces, with two guards at the bound
   ``"city"`` it is ``'":' ' {"' 'city'``), so the model samples them itself. Pieces before the
   last one are split the same whatever follows (the pre-tokenizer's regex matches left to right).
 
-Every appended token is accepted by the matcher first; the first one it refuses ends the run.
-Whether outputs then equal those without jump-forward is measured, not assumed
-(``python -m bench.jump_forward``: identical outputs and accuracy per category, with and without).
+Every draft token is accepted by the matcher first; the first one it refuses ends the draft.
+Outputs with and without jump-forward are compared, not assumed equal (``python -m
+bench.jump_forward``: identical outputs and accuracy per category, drafted and kept tokens).
 """
 
 from __future__ import annotations
@@ -76,7 +79,8 @@ def forced_tokens(matcher, encode: Callable[[str], list[int]], max_tokens: int) 
 
     Args:
         matcher: a :class:`replicas.grammar.Matcher` (either backend), in the state after the last
-            sampled token; on return it has accepted the returned tokens.
+            sampled token; on return it has accepted the returned tokens (the engine rolls it
+            back: the draft is accepted again as it is verified).
         encode: forced text -> the tokens to append for it (a :class:`ForcedTokenizer` bound to the
             sequence's sampled tokens).
         max_tokens: at most this many tokens (``<= 0``: none).

@@ -456,6 +456,26 @@ class KVCache:
                 self._write(precision, b.append(row, layer, precision, pos[m]), k, v)
         return before - b.bytes_used
 
+    def truncate(self, seq_id, num_tokens: int) -> None:
+        """Take back every entry of ``seq_id`` at a position ``>= num_tokens`` in every layer (the
+        KV of a jump-forward draft's tokens the model did not sample), so that those positions
+        can be stored again: afterwards the sequence holds what it held before they were stored.
+
+        Raises:
+            KeyError: an unknown sequence.
+            ValueError: ``num_tokens`` below a shared prefix (its pages are read-only).
+        """
+        b = self.blocks
+        row = b.rows[seq_id]
+        if num_tokens < self.shared_tokens(seq_id):
+            raise ValueError(f"sequence {seq_id!r}: cannot truncate to {num_tokens} tokens inside its "
+                             f"shared prefix of {self.shared_tokens(seq_id)}")
+        for layer in range(self.cfg.num_layers):
+            end = int(b.next_position[row, layer])
+            if end > num_tokens:
+                self.set_precision(seq_id, layer, range(num_tokens, end), Precision.RELEASED)
+        b.next_position[row].clamp_(max=num_tokens)
+
     def release_one(self, seq_rows: torch.Tensor, layers: torch.Tensor, positions: torch.Tensor) -> None:
         """Release one kept entry per (row, layer) pair, the pairs distinct, in one batched
         swap-remove (what ``set_precision(..., RELEASED)`` does for a single position)."""

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from replicas.kv_cache import DecodePlan, KVCache, Precision
 from replicas.models import CausalLM
-from replicas.models.llama import causal_attention, prefix_causal_attention
+from replicas.models.llama import causal_attention, decode_steps_attention, prefix_causal_attention
 from replicas.sequence import Sequence
 
 
@@ -21,17 +21,23 @@ class PrefillChunk:
     """Tokens ``token_ids`` at positions ``start ...`` of sequence ``seq_id``; ``targets``:
     ``[n, L]`` Precision values to store them at (None: HIGH); ``is_last``: the prompt ends here;
     ``attend_id``: a full-precision shadow row (prefix caching of a compressing policy) that the
-    chunk attends to instead of ``seq_id``'s row, and stores its KV in at HIGH as well."""
+    chunk attends to instead of ``seq_id``'s row, and stores its KV in at HIGH as well;
+    ``draft``: the chunk is a sequence's last sampled token and its jump-forward draft: each token
+    attends as a decode step of its own would (to the entries kept before it, at the precision
+    they are stored at, and to itself), and the logits after every token are returned (the draft
+    is verified against them)."""
     seq_id: str
     token_ids: list[int]
     start: int
     targets: torch.Tensor | None = None
     is_last: bool = True
     attend_id: object = None
+    draft: bool = False
 
 
 class PrefillResult(NamedTuple):
-    logits: torch.Tensor | None            # [vocab] float32 after the last token (is_last only)
+    logits: torch.Tensor | None            # [vocab] float32 after the last token (is_last only);
+                                           # [n, vocab] after each token of a draft
     queries: dict[int, torch.Tensor]       # layer -> [w, Hq, D] queries of the chunk's last tokens
     hidden: torch.Tensor | None            # [k, hidden] the chunk's last final hidden states
 
@@ -57,7 +63,7 @@ class ModelRunner:
         Returns ``(decode_logits [B, vocab] float32 or None, decode_queries, results)``:
         ``decode_queries`` per layer ``[B, Hq, D]`` when ``record_queries`` (else empty), and per
         chunk a :class:`PrefillResult`: the next-token logits ``[vocab]`` after its last token
-        (only when ``is_last``), per layer the queries ``[min(w, n), Hq, D]`` of its last
+        (only when ``is_last``; ``[n, vocab]`` after each of its tokens for a ``draft``), per layer the queries ``[min(w, n), Hq, D]`` of its last
         ``w = observation_window`` tokens, and its last ``keep_hidden`` final hidden states
         (for the window perplexity: :meth:`window_ppl`).
 
@@ -89,6 +95,11 @@ class ModelRunner:
             for i, c in enumerate(chunks):
                 a, b = bounds[i], bounds[i + 1]
                 qc, kc, vc = q[a:b], k[a:b], v[a:b]
+                if c.draft:   # stored first: each token then reads what a decode step would
+                    kv.append(c.seq_id, layer, range(c.start, c.start + b - a), kc, vc,
+                              Precision.HIGH if c.targets is None else c.targets[:, layer])
+                    outs.append(decode_steps_attention(qc, kc, vc, *kv.gather(c.seq_id, layer), c.start))
+                    continue
                 if c.start:
                     _, prior_k, prior_v = kv.gather(c.attend_id or c.seq_id, layer)
                     outs.append(prefix_causal_attention(qc, kc, vc, prior_k, prior_v))
@@ -105,9 +116,13 @@ class ModelRunner:
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), positions.to(self.device),
                             attention)
         last = [i for i, c in enumerate(chunks) if c.is_last]
-        rows = list(range(nd)) + [bounds[i + 1] - 1 for i in last]
+        spans = [range(bounds[i] if chunks[i].draft else bounds[i + 1] - 1, bounds[i + 1]) for i in last]
+        rows = list(range(nd)) + [r for span in spans for r in span]
         logits = self.model.logits(hidden if len(rows) == hidden.shape[0] else hidden[rows]) if rows else None
-        chunk_logits = dict(zip(last, logits[nd:])) if last else {}
+        chunk_logits, at = {}, nd
+        for i, span in zip(last, spans):
+            chunk_logits[i] = logits[at:at + len(span)] if chunks[i].draft else logits[at]
+            at += len(span)
         results = [PrefillResult(chunk_logits.get(i), queries[i],
                                  hidden[max(bounds[i], bounds[i + 1] - keep_hidden):bounds[i + 1]] if keep_hidden else None)
                    for i in range(len(chunks))]

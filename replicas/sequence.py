@@ -44,6 +44,7 @@ class RequestMetrics:
     num_preemptions: int = 0
     budget_fallbacks: int = 0
     num_forced_tokens: int = 0   # output tokens appended by jump-forward (no decode step of their own)
+    num_draft_tokens: int = 0    # tokens jump-forward drafted (forced tokens: those the model then sampled)
     num_cached_tokens: int = 0   # prompt tokens taken from the prefix cache (at the last admission)
 
     @property
@@ -82,9 +83,10 @@ class Sequence:
     num_computed_tokens: int = 0
     prefilled: bool = False
     prefill_state: dict | None = None
-    # Output tokens appended by jump-forward whose KV is not in the cache yet: the next step feeds
-    # them, after the last sampled token, as one chunk (``LLMEngine._forward``).
-    num_forced_pending: int = 0
+    # Jump-forward's draft: the tokens the grammar forces after the last sampled one, not output
+    # yet. The next step feeds them after that token as one chunk and keeps those the model then
+    # samples itself, in order (``LLMEngine._verify_draft``).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

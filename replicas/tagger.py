@@ -15,6 +15,8 @@ near-critical (only the past is known when a token is generated).
 
 from __future__ import annotations
 
+import copy
+
 import enum
 import operator
 from dataclasses import dataclass
@@ -234,6 +236,13 @@ class StructuralTagger:
             else:
                 roles.append(self._char(c))
         return roles
+
+    def copy(self) -> "StructuralTagger":
+        """An independent tagger in the same state (the frames copied, the schemas shared: they
+        are read, never written), to tag tokens that may be taken back (jump-forward drafts)."""
+        other = copy.copy(self)
+        other._stack = [copy.copy(f) for f in self._stack]
+        return other
 
     def feed(self, token_text: str) -> Tag:
         """Tag the next generated token from its decoded text."""

@@ -100,7 +100,7 @@ class MirroredKVCache:
     """Rank 0's KV cache: mutations are applied locally at once and replayed on the workers with
     the next forward (:class:`Broadcaster`)."""
 
-    MUTATIONS = ("add_sequence", "free_sequence", "set_precision", "plan_decode", "release_one")
+    MUTATIONS = ("add_sequence", "free_sequence", "set_precision", "plan_decode", "release_one", "truncate")
 
     def __init__(self, local, broadcaster: Broadcaster):
         self._local, self._bcast = local, broadcaster

@@ -191,6 +191,23 @@ def prefix_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out[0].transpose(0, 1)
 
 
+def decode_steps_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kept_positions: torch.Tensor,
+                           kept_k: torch.Tensor, kept_v: torch.Tensor, start: int) -> torch.Tensor:
+    """Attention of ``c`` consecutive new tokens at positions ``start .. start + c - 1`` as ``c``
+    decode steps of one token each would compute it: token ``j`` (``q, k, v [c, H, D]``) sees the
+    cache's kept entries (``kept_positions [P]``, ``kept_k, kept_v [P, Hkv, D]``, as stored: a
+    compressed cache's chunk tokens may be quantized or absent) at positions before its own, and
+    its own fresh key and value. Returns ``[c, Hq, D]``."""
+    c = q.shape[0]
+    qpos = torch.arange(start, start + c, device=q.device)
+    mask = torch.cat([kept_positions.to(q.device)[None, :] < qpos[:, None],
+                      torch.eye(c, dtype=torch.bool, device=q.device)], dim=1)
+    keys = torch.cat([kept_k.to(k.dtype), k]).transpose(0, 1)[None]
+    values = torch.cat([kept_v.to(v.dtype), v]).transpose(0, 1)[None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_index: int):
         super().__init__()

@@ -131,3 +131,33 @@ def test_forced_tokens_stop_at_a_refused_token_and_at_the_limit(engine):
     assert forced_tokens(Matcher(), lambda s: [5, 6, 7, 8], 10) == [5, 6]
     assert forced_tokens(Matcher(), lambda s: [5, 6, 7, 8], 1) == [5]
     assert forced_tokens(Matcher(), lambda s: [5, 6], 0) == []
+
+
+def test_sampled_outputs_equal_and_rejected_drafts_leave_no_kv(tool_requests):
+    """Seeded sampling at temperature 1: each draft token is kept only where the request's own
+    generator draws it, so the outputs equal decoding one step per token (the same draws in the
+    same order), drafts are rejected on the way (the model often spells a forced text otherwise),
+    and a rejected draft's KV is taken back: every layer keeps exactly the positions before the
+    last sampled token, as without jump-forward."""
+    params = SamplingParams(max_tokens=48, temperature=1.0, seed=7)
+
+    def run(jump):
+        eng = LLMEngine(EngineConfig(kv_cache_bytes=64 << 20, max_num_seqs=8, enable_jump_forward=jump))
+        for i, (ids, spec) in enumerate(tool_requests):
+            eng.add_request(str(i), ids, params, spec)
+        outs = {}
+        while eng.has_unfinished():
+            for out in eng.step():
+                seq = eng._seqs.get(out.request_id)
+                if seq is not None and not seq.draft_token_ids:   # between drafts: the KV is the tokens'
+                    for layer in range(eng.kv.cfg.num_layers):
+                        assert sorted(eng.kv.kept(out.request_id, layer)) == list(range(seq.num_tokens - 1))
+                if out.finished:
+                    outs[out.request_id] = out
+        return [outs[str(i)] for i in range(len(tool_requests))]
+
+    off, on = run(False), run(True)
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    drafted = sum(o.metrics.num_draft_tokens for o in on)
+    kept = sum(o.metrics.num_forced_tokens for o in on)
+    assert 0 < kept < drafted            # drafts were kept and drafts were rejected

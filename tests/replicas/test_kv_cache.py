@@ -66,6 +66,31 @@ def test_release_frees_pages_and_tokens_never_return():
         fill(c, "a", 1, layer=0, start=3)
 
 
+def test_truncate_takes_back_a_draft_at_every_precision():
+    """A jump-forward draft stored at mixed precisions (one token released) and taken back from
+    its second token: the cache holds what it held before the rejected tokens (entries, bytes,
+    values), and the rejected positions can be stored again."""
+    c = cache()
+    c.add_sequence("a")
+    k, v = fill(c, "a", 6)
+    held = [c.kept("a", layer) for layer in range(2)]
+    before = c.sequence_bytes("a")
+    targets = torch.tensor([Precision.HIGH, Precision.INT8, Precision.RELEASED, Precision.INT4, Precision.INT8])
+    for layer in range(2):
+        c.append("a", layer, range(6, 11), torch.randn(5, 2, 8), torch.randn(5, 2, 8), targets)
+    assert c.sequence_bytes("a") > before
+    c.truncate("a", 7)                       # keeps the draft's first token (position 6)
+    for layer in range(2):
+        assert c.kept("a", layer) == {**held[layer], 6: Precision.HIGH}
+    c.truncate("a", 6)
+    assert [c.kept("a", layer) for layer in range(2)] == held and c.sequence_bytes("a") == before
+    pos, gk, gv = c.gather("a", 1)
+    assert pos.tolist() == list(range(6)) and torch.equal(gk, k) and torch.equal(gv, v)
+    fill(c, "a", 2, start=6)                 # the positions are new again
+    assert sorted(c.kept("a", 0)) == list(range(8))
+    assert c.bytes_used == sum(c.sequence_bytes(s) for s in c.seqs)
+
+
 def test_new_tokens_keep_true_positions_after_release():
     c = cache()
     c.add_sequence("a")

@@ -61,3 +61,39 @@ def test_two_ranks_pask_one_collective_per_step(chat_prompts):
         assert bcast.num_sent == steps      # ... one collective each
     finally:
         tp.close()
+
+
+@pytest.mark.slow
+def test_two_ranks_jump_forward_takes_back_rejected_drafts():
+    """Jump-forward with seeded sampling on two ranks: drafts the model rejects are taken back
+    (``KVCache.truncate``, replayed on the worker with the next forward), and the tokens equal
+    one rank's."""
+    from bench.accuracy import load_items
+    from replicas.grammar import GrammarSpec
+    params = SamplingParams(max_tokens=32, temperature=1.0, seed=3)
+    cfg = dict(kv_cache_bytes=64 << 20, enable_jump_forward=True)
+
+    def run(eng):
+        items = load_items("test", ["simple", "multiple"])[:2]
+        for i, item in enumerate(items):
+            ids = eng.tokenizer.apply_chat_template(item.messages, tools=item.tools, add_generation_prompt=True,
+                                                    return_dict=True)["input_ids"]
+            eng.add_request(f"r{i}", ids, params, GrammarSpec("tools", {"tools": item.tools, "tool_choice": "auto"}))
+        outs = {}
+        while eng.has_unfinished():
+            for out in eng.step():
+                if out.finished:
+                    outs[out.request_id] = out
+        return [outs[f"r{i}"] for i in range(len(items))]
+
+    one = LLMEngine(EngineConfig(**cfg))
+    want = run(one)
+    one.close()
+    assert sum(o.metrics.num_forced_tokens for o in want) < sum(o.metrics.num_draft_tokens for o in want)
+    tp = LLMEngine(EngineConfig(**cfg, tensor_parallel_size=2))
+    try:
+        got = run(tp)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert tp.kv.bytes_used == 0
+    finally:
+        tp.close()
