@@ -149,6 +149,8 @@ def incomplete_keywords(schema: Any) -> list[str]:
             found.append(f"pattern that may match a character JSON escapes at {where}")
         if node.get("format") == "uri-reference":
             found.append(f"format uri-reference at {where}")
+        if "propertyNames" in node:
+            found.append(f"propertyNames at {where}")   # xgrammar rejected valid keys
         types = node.get("type") if isinstance(node.get("type"), list) else [node.get("type")]
         if "number" in types and any(k in node for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
             found.append(f"number with a bound at {where}")
@@ -402,6 +404,10 @@ def _llguidance_schema(schema: Any, strict: bool) -> Any:
                 node["additionalProperties"] = False
             if "prefixItems" in node and "items" not in node:
                 node["items"] = False
+    from replicas.schema_collections import rewrite_property_names, rewrite_unique_items
+    from replicas.schema_not import rewrite_all, rewrite_if, rewrite_not
+    # not, if / then / else, uniqueItems, propertyNames in keywords llguidance enforces, where exact
+    rewrite_all(schema, _walk, (rewrite_if, rewrite_not, rewrite_unique_items, rewrite_property_names))
     from replicas.schema_oneof import rewrite_one_of
     for node in [n for n, _ in _walk(schema) if isinstance(n.get("oneOf"), list)]:
         rewrite_one_of(node, schema)   # exact anyOf where it can be written (else llguidance decides)
@@ -446,6 +452,9 @@ def _rewrite_dependencies(node: dict, legacy: bool = False) -> None:
         node["allOf"] = (node["allOf"] if isinstance(node.get("allOf"), list) else []) + extra
 
 
+_PROSE_WORDS = ("not", "if", "then", "else")
+
+
 def _places(schema: Any, message: str) -> list[str]:
     """Where ``schema`` uses the keywords llguidance's error ``message`` names (its messages say
     which keyword, not where): the places :func:`unenforced_keywords` lists, plus any node
@@ -458,7 +467,9 @@ def _places(schema: Any, message: str) -> list[str]:
         message += " pattern"      # a regex llguidance's parser refused is a pattern's
     if "Resource" in message:
         message += " $ref"         # a $ref it could not resolve
-    found = [p for p in unenforced_keywords(schema) if p.split(" ", 1)[0] in message and p.split(" ", 1)[0] in words]
+    def named_in(word: str) -> bool:   # "not", "if", ...: as a key llguidance names, not its prose ("not supported")
+        return f'"{word}"' in message if word in _PROSE_WORDS else word in message
+    found = [p for p in unenforced_keywords(schema) if named_in(p.split(" ", 1)[0]) and p.split(" ", 1)[0] in words]
     for node, where in _walk(schema):
         found += [f"{k} at {where}" for k in sorted(named) if k in node and f"{k} at {where}" not in found]
         if fmt and node.get("format") == fmt.group(1):
