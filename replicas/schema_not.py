@@ -81,11 +81,59 @@ def rewrite_if(node: dict, root: Any) -> bool:
     return True
 
 
-def rewrite_all(schema: Any, walk, rewriters=(rewrite_if, rewrite_not)) -> None:
+_IF_MEMBER_KEYS = {"if", "then", "else", "title", "description", "$comment"}
+
+
+def rewrite_if_chain(node: dict, root: Any) -> bool:
+    """Replace the ``allOf`` members of ``node`` that are only ``if`` / ``then`` / ``else``
+    (two or more) by one ``anyOf``, where their conditions are pairwise disjoint (a tag with a
+    different ``const`` in each: JSONSchemaStore's v2ray, GitLab, ... configs), so at most one
+    holds: ``anyOf: [allOf: [I1, T1, E2, E3, ...], allOf: [I2, T2, E1, E3, ...], ...,
+    allOf: [not I1, not I2, ..., E1, E2, ...]]``. Written one by one (:func:`rewrite_if`) each
+    would double the alternatives llguidance expands ("schema too large" past about ten).
+    False (unchanged) where the conditions are not proved disjoint or not negated exactly."""
+    members = node.get("allOf")
+    if not isinstance(members, list):
+        return False
+    chain = [m for m in members if isinstance(m, dict) and "if" in m and set(m) <= _IF_MEMBER_KEYS]
+    if len(chain) < 2:
+        return False
+    from replicas.schema_oneof import disjoint
+    rest = [m for m in members if not any(m is c for c in chain)]
+    try:
+        ctx = _context(node, root, ("allOf",)) + [f for m in rest for f in facets(m, root)]
+        conds = [ctx + facets(m["if"], root) for m in chain]
+        if not all(disjoint(conds[i], conds[j], root) for i in range(len(chain)) for j in range(i)):
+            return False
+        negations = [negate(facets(m["if"], root), ctx, root) for m in chain]
+    except (Inexpressible, UnresolvedRef):
+        return False
+
+    def given(s):
+        return not (s is True or s == {})
+    elses = [m.get("else", True) for m in chain]
+    branches = []
+    for i, m in enumerate(chain):
+        parts = [m["if"], m.get("then", True)] + [e for j, e in enumerate(elses) if j != i]
+        parts = [p for p in parts if given(p)]
+        branches.append(parts[0] if len(parts) == 1 else {"allOf": parts} if parts else True)
+    if all(negations):
+        parts = [n[0] if len(n) == 1 else {"anyOf": n} for n in negations] + [e for e in elses if given(e)]
+        branches.append(parts[0] if len(parts) == 1 else {"allOf": parts})
+    node["allOf"] = rest + [{"anyOf": branches}]
+    return True
+
+
+def rewrite_all(schema: Any, walk, rewriters=(rewrite_if, rewrite_not), outer_first=(rewrite_if_chain,)) -> None:
     """Apply ``rewriters`` to every node of ``schema`` (``walk``: ``replicas.grammar._walk``),
-    innermost first, until a pass changes nothing (at most :data:`MAX_PASSES`)."""
+    innermost first, after ``outer_first`` outermost first (a chain of ``if`` s is merged
+    before its members are rewritten one by one), until a pass changes nothing (at most
+    :data:`MAX_PASSES`)."""
     for _ in range(MAX_PASSES):
         changed = False
+        for node, _ in list(walk(schema)):
+            for rewrite in outer_first:
+                changed |= rewrite(node, schema)
         for node, _ in reversed(list(walk(schema))):
             for rewrite in rewriters:
                 changed |= rewrite(node, schema)

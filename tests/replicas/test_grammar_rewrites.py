@@ -81,6 +81,13 @@ IDIOMS = [
     ("if alone constrains nothing",
      {"type": "integer", "if": {"minimum": 3}},
      [1, 5], ["a"]),
+    ("a chain of if / then on a required tag (merged: the conditions are disjoint)",
+     {"type": "object", "properties": {"p": STR, "s": {}}, "required": ["p"],
+      "allOf": [{"if": {"properties": {"p": {"const": "a"}}}, "then": {"properties": {"s": INT}}},
+                {"if": {"properties": {"p": {"const": "b"}}}, "then": {"properties": {"s": STR}}},
+                {"if": {"properties": {"p": {"const": "c"}}}, "then": {"required": ["s"]}, "else": {"properties": {"s": {"type": ["integer", "string"]}}}}]},
+     [{"p": "a", "s": 1}, {"p": "b", "s": "x"}, {"p": "c", "s": [1]}, {"p": "d", "s": 2}, {"p": "b"}],
+     [{"p": "a", "s": "x"}, {"p": "b", "s": 1}, {"p": "c"}, {"p": "d", "s": [1]}, {"p": "a", "s": None}]),
     ("uniqueItems with maxItems 1",
      {"type": "array", "items": STR, "uniqueItems": True, "maxItems": 1},
      [[], ["a"]], [["a", "b"], [1]]),
@@ -176,3 +183,12 @@ def test_complement_patterns():
     for pattern in ["ab", "^a+", "[\\w]", "^[a-z]+$"]:   # two atoms; one anchor; \w too wide; no newline in the class
         with pytest.raises(Inexpressible):
             _complement_pattern(pattern)
+
+
+def test_if_chain_is_merged_into_one_any_of():
+    from replicas.grammar import _llguidance_schema
+    schema = {"type": "object", "properties": {"p": STR}, "required": ["p"],
+              "allOf": [{"if": {"properties": {"p": {"const": str(i)}}}, "then": {"required": ["x%d" % i]}}
+                        for i in range(12)]}
+    out = _llguidance_schema(schema, False)
+    assert len(out["allOf"]) == 1 and len(out["allOf"][0]["anyOf"]) == 13   # one branch per tag, one for none
