@@ -521,6 +521,36 @@ def _one_char_atom(p: str) -> bool:
     return p == "." or p not in "^$|?*+(){}"
 
 
+_META = set(".^$|?*+()[]{}\\")
+
+
+def _anchored_literals(pattern: str) -> list[str] | None:
+    """The strings of a pattern ``^L$`` / ``^(L1|L2|...)$`` / ``^(?:...)$`` of literal
+    characters (and escaped punctuation), or None for any other pattern."""
+    if not (pattern.startswith("^") and pattern.endswith("$")) or pattern.endswith("\\$") or len(pattern) < 2:
+        return None
+    body = pattern[1:-1]
+    if body.startswith("(") and body and _atom_end(body, 0) == len(body):
+        body = body[3:-1] if body.startswith("(?:") else None if body.startswith("(?") else body[1:-1]
+        if body is None:
+            return None
+    words, word, i = [], "", 0
+    while i < len(body):
+        c = body[i]
+        if c == "|":
+            words.append(word)
+            word, i = "", i + 1
+        elif c == "\\":
+            if i + 1 >= len(body) or body[i + 1].isalnum() or body[i + 1].isspace():
+                return None   # \d, \n, \b, ...: not a literal here
+            word, i = word + body[i + 1], i + 2
+        elif c in _META or not c.isprintable():
+            return None
+        else:
+            word, i = word + c, i + 1
+    return words + [word]
+
+
 MAX_CLASS = 4000   # characters of a complement class
 
 
@@ -535,6 +565,9 @@ def _complement_pattern(pattern: str) -> str | None:
     widest reading counts as ``C``: sound under each, rejecting only strings whose characters
     outside ``C`` are ones they disagree on. Raises :class:`_Inexpressible` otherwise."""
     import re
+    words = _anchored_literals(pattern)
+    if words is not None:   # Python's $ also matches before a final newline: "x\n" matches ^x$
+        return _not_one_of_pattern(words + [w + "\n" for w in words])
     p = pattern
     anchored = p.startswith("^") and p.endswith("$") and not p.endswith("\\$") and p[-2:-1] in ("+", "*")
     if anchored:

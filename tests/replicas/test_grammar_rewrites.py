@@ -61,6 +61,14 @@ IDIOMS = [
     ("not pattern of one escaped character in a group",
      {"type": "string", "not": {"pattern": "(\\$)"}},
      ["abc"], ["a$b"]),
+    ("not pattern of anchored literals (Python's $ also matches before a final newline)",
+     {"type": "string", "not": {"pattern": "^(tuple|list)$"}},
+     ["tuples", "x", "", "tuple\n\n"], ["tuple", "list", "tuple\n"]),
+    ("if on an anyOf of a pattern, then / else",
+     {"type": "object", "properties": {"type": STR, "n": INT}, "required": ["type"],
+      "if": {"properties": {"type": {"anyOf": [{"pattern": "^tuple$"}]}}}, "then": {"required": ["n"]},
+      "else": {"properties": {"n": False}}},
+     [{"type": "tuple", "n": 1}, {"type": "list"}], [{"type": "tuple"}, {"type": "list", "n": 1}]),
     ("if properties const then required (no else)",
      {"type": "object", "properties": {"Action": STR, "Target": STR}, "required": ["Action"],
       "if": {"properties": {"Action": {"const": "EditMap"}}}, "then": {"required": ["Target"]}},
@@ -176,11 +184,12 @@ def test_complement_patterns():
 
     from replicas.schema_oneof import Inexpressible, _complement_pattern
     for pattern, strings in [("[^a-z ]", ["ab", "a b", "aB", "", "\n"]), ("(\\$)", ["$", "a", "a$"]),
-                             ("^[\\s.]+$", ["", " ", ". \n", "a", ". a"]), ("\\d", ["1", "a", "a1", "\u0661"])]:
+                             ("^[\\s.]+$", ["", " ", ". \n", "a", ". a"]), ("\\d", ["1", "a", "a1", "\u0661"]),
+                             ("^(a|b\\.c)$", ["a", "b.c", "a\n", "b.c\n", "", "ab", "bxc", "a\n\n", "\na"])]:
         comp = re.sub(r"\\x\{([0-9a-f]+)\}", lambda m: "\\U%08x" % int(m.group(1), 16), _complement_pattern(pattern))
         for s in strings:   # (the Rust class syntax read by Python's re)
             assert (re.search(pattern, s) is None) == (re.fullmatch(comp, s) is not None), (pattern, s)
-    for pattern in ["ab", "^a+", "[\\w]", "^[a-z]+$"]:   # two atoms; one anchor; \w too wide; no newline in the class
+    for pattern in ["ab", "^a+", "[\\w]", "^[a-z]+$", "^a.b$"]:   # two atoms; one anchor; \w too wide; no newline in the class; not literal
         with pytest.raises(Inexpressible):
             _complement_pattern(pattern)
 
