@@ -404,11 +404,12 @@ def _llguidance_schema(schema: Any, strict: bool) -> Any:
                 node["additionalProperties"] = False
             if "prefixItems" in node and "items" not in node:
                 node["items"] = False
-    from replicas.schema_collections import rewrite_property_names, rewrite_unique_items
+    from replicas.schema_collections import (drop_properties_patterns_cover, rewrite_property_names,
+                                             rewrite_unique_items)
     from replicas.schema_not import rewrite_all, rewrite_if, rewrite_if_chain, rewrite_not
     # not, if / then / else, uniqueItems, propertyNames in keywords llguidance enforces, where exact
-    rewrite_all(schema, _walk, (rewrite_if, rewrite_not, rewrite_unique_items, rewrite_property_names),
-                (rewrite_if_chain,))
+    rewrite_all(schema, _walk, (rewrite_if, rewrite_not, rewrite_unique_items, rewrite_property_names,
+                                drop_properties_patterns_cover), (rewrite_if_chain,))
     from replicas.schema_oneof import rewrite_one_of
     for node in [n for n, _ in _walk(schema) if isinstance(n.get("oneOf"), list)]:
         rewrite_one_of(node, schema)   # exact anyOf where it can be written (else llguidance decides)

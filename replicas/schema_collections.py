@@ -187,3 +187,37 @@ def rewrite_property_names(node: dict, root: Any) -> bool:
     node["additionalProperties"] = False
     del node["propertyNames"]
     return True
+
+
+def _bare(s: Any) -> Any:
+    """``s`` without its annotations (at the top: what a validator checks is the same)."""
+    return {k: v for k, v in s.items() if k not in _ANNOTATIONS} if isinstance(s, dict) else s
+
+
+_SIMPLE_PATTERN = re.compile(r"[\w^$*+?.()\[\]{}|,:-]*")   # no escapes: Python's and Rust's regexes agree
+
+
+def drop_properties_patterns_cover(node: dict, root: Any) -> bool:
+    """Drop a ``properties`` entry whose schema (its annotations aside) is that of a
+    ``patternProperties`` pattern matching its name: the pattern's schema applies to it anyway,
+    so the instances are the same; llguidance otherwise intersects the two, which it cannot do
+    through a circular ``$ref`` ("circular references with sibling keys", WashingtonPost's ANS
+    schemas: ``basic`` beside ``.*`` with the same ``oneOf`` of references). Only for patterns
+    of plain characters, classes and repeats (read alike by Python's ``re`` and llguidance's)."""
+    props, patterns = node.get("properties"), node.get("patternProperties")
+    if not isinstance(props, dict) or not isinstance(patterns, dict) or not patterns:
+        return False
+    drop = []
+    for name, s in props.items():
+        if "\n" in name:
+            continue
+        for pattern, ps in patterns.items():
+            try:
+                if _SIMPLE_PATTERN.fullmatch(pattern) and _bare(ps) == _bare(s) and _search(pattern, name):
+                    drop.append(name)
+                    break
+            except ValueError:
+                continue
+    for name in drop:
+        del props[name]
+    return bool(drop)

@@ -405,6 +405,15 @@ def _negate_keyword(k: str, v: Any, f: dict, ci: Info, ctx: list, root: Any, dep
             except UnresolvedRef:
                 raise _Inexpressible("an unresolved $ref") from None
         return out
+    if k == "oneOf" and isinstance(v, list):
+        # exactly one member holds: as anyOf where no two members can hold together
+        try:
+            fs = [ctx + facets(s, root) for s in v]
+        except UnresolvedRef:
+            raise _Inexpressible("an unresolved $ref") from None
+        if not all(disjoint(fs[i], fs[j], root) for i in range(len(v)) for j in range(i)):
+            raise _Inexpressible(k)
+        k = "anyOf"
     if k == "anyOf":
         if not isinstance(v, list):
             raise _Inexpressible(k)
