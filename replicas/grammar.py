@@ -404,16 +404,25 @@ def _llguidance_schema(schema: Any, strict: bool) -> Any:
                 node["additionalProperties"] = False
             if "prefixItems" in node and "items" not in node:
                 node["items"] = False
-    from replicas.schema_collections import (drop_properties_patterns_cover, rewrite_property_names,
-                                             rewrite_unique_items)
-    from replicas.schema_not import rewrite_all, rewrite_if, rewrite_if_chain, rewrite_not
-    # not, if / then / else, uniqueItems, propertyNames in keywords llguidance enforces, where exact
-    rewrite_all(schema, _walk, (rewrite_if, rewrite_not, rewrite_unique_items, rewrite_property_names,
-                                drop_properties_patterns_cover), (rewrite_if_chain,))
+    _rewrite_keywords(schema)
     from replicas.schema_oneof import rewrite_one_of
     for node in [n for n, _ in _walk(schema) if isinstance(n.get("oneOf"), list)]:
         rewrite_one_of(node, schema)   # exact anyOf where it can be written (else llguidance decides)
     return schema
+
+
+_REWRITTEN = ("not", "if", "then", "else", "uniqueItems", "propertyNames")
+
+
+def _rewrite_keywords(schema: Any) -> None:
+    """``not``, ``if`` / ``then`` / ``else``, ``uniqueItems``, ``propertyNames`` in keywords
+    llguidance enforces, in place, where that can be written exactly (``replicas/schema_not.py``,
+    ``replicas/schema_collections.py``); the others are left (llguidance refuses them)."""
+    from replicas.schema_collections import (drop_properties_patterns_cover, rewrite_property_names,
+                                             rewrite_unique_items)
+    from replicas.schema_not import rewrite_all, rewrite_if, rewrite_if_chain, rewrite_not
+    rewrite_all(schema, _walk, (rewrite_if, rewrite_not, rewrite_unique_items, rewrite_property_names,
+                                drop_properties_patterns_cover), (rewrite_if_chain,))
 
 
 def _legacy_draft(schema: Any) -> bool:
@@ -476,6 +485,12 @@ def _places(schema: Any, message: str) -> list[str]:
         found += [f"{k} at {where}" for k in sorted(named) if k in node and f"{k} at {where}" not in found]
         if fmt and node.get("format") == fmt.group(1):
             found.append(f"format {fmt.group(1)} at {where}")
+    if any(p.split(" ", 1)[0] in _REWRITTEN for p in found):   # only those the rewrites left
+        import copy
+        left = copy.deepcopy(schema)
+        _rewrite_keywords(left)
+        left = {f"{k} at {where}" for node, where in _walk(left) for k in _REWRITTEN if k in node}
+        found = [p for p in found if p.split(" ", 1)[0] not in _REWRITTEN or p in left] or found
     return found
 
 

@@ -527,7 +527,7 @@ def _one_char_atom(p: str) -> bool:
         return len(p) > 2 and p.endswith("]")
     if p[0] == "\\":
         return len(p) == 2 and p[1] not in _ANCHORS
-    return p == "." or p not in "^$|?*+(){}"
+    return len(p) == 1 and p not in "^$|?*+(){}[]"   # (a group is not one character)
 
 
 _META = set(".^$|?*+()[]{}\\")

@@ -174,6 +174,14 @@ def test_rewrite_that_cannot_be_written_exactly_stays_refused(engine, schema, ne
     assert needle in str(e.value), str(e.value)
 
 
+def test_refusal_lists_only_the_places_left(engine):
+    """Of two nots, the one the rewrite wrote is not listed; the one it could not is, with where."""
+    schema = {"type": "object", "properties": {"a": {"not": {}}, "b": {"type": "integer", "not": {"multipleOf": 2}}}}
+    with pytest.raises(GrammarCompileError, match="cannot enforce") as e:
+        engine.grammar.compile(GrammarSpec("json_schema", schema))
+    assert "not at $.properties.b" in str(e.value) and "not at $.properties.a" not in str(e.value), str(e.value)
+
+
 def test_refusal_names_only_keywords_left():
     """A refusal for something else (here an overlapping oneOf) does not list the ``not`` that
     was rewritten: llguidance's prose ("not supported") is not the keyword."""
@@ -195,7 +203,7 @@ def test_complement_patterns():
         comp = re.sub(r"\\x\{([0-9a-f]+)\}", lambda m: "\\U%08x" % int(m.group(1), 16), _complement_pattern(pattern))
         for s in strings:   # (the Rust class syntax read by Python's re)
             assert (re.search(pattern, s) is None) == (re.fullmatch(comp, s) is not None), (pattern, s)
-    for pattern in ["ab", "^a+", "[\\w]", "^[a-z]+$", "^a.b$"]:   # two atoms; one anchor; \w too wide; no newline in the class; not literal
+    for pattern in ["ab", "^a+", "[\\w]", "^[a-z]+$", "^a.b$", "(?:[^a]+b)", "^(?:ab)+$"]:   # two atoms; one anchor; \w too wide; no newline in the class; not literal
         with pytest.raises(Inexpressible):
             _complement_pattern(pattern)
 
