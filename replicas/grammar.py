@@ -149,6 +149,8 @@ def incomplete_keywords(schema: Any) -> list[str]:
             found.append(f"pattern that may match a character JSON escapes at {where}")
         if node.get("format") == "uri-reference":
             found.append(f"format uri-reference at {where}")
+        if "propertyNames" in node:
+            found.append(f"propertyNames at {where}")   # xgrammar rejected valid keys
         types = node.get("type") if isinstance(node.get("type"), list) else [node.get("type")]
         if "number" in types and any(k in node for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
             found.append(f"number with a bound at {where}")
@@ -402,10 +404,25 @@ def _llguidance_schema(schema: Any, strict: bool) -> Any:
                 node["additionalProperties"] = False
             if "prefixItems" in node and "items" not in node:
                 node["items"] = False
+    _rewrite_keywords(schema)
     from replicas.schema_oneof import rewrite_one_of
     for node in [n for n, _ in _walk(schema) if isinstance(n.get("oneOf"), list)]:
         rewrite_one_of(node, schema)   # exact anyOf where it can be written (else llguidance decides)
     return schema
+
+
+_REWRITTEN = ("not", "if", "then", "else", "uniqueItems", "propertyNames")
+
+
+def _rewrite_keywords(schema: Any) -> None:
+    """``not``, ``if`` / ``then`` / ``else``, ``uniqueItems``, ``propertyNames`` in keywords
+    llguidance enforces, in place, where that can be written exactly (``replicas/schema_not.py``,
+    ``replicas/schema_collections.py``); the others are left (llguidance refuses them)."""
+    from replicas.schema_collections import (drop_properties_patterns_cover, rewrite_property_names,
+                                             rewrite_unique_items)
+    from replicas.schema_not import rewrite_all, rewrite_if, rewrite_if_chain, rewrite_not
+    rewrite_all(schema, _walk, (rewrite_if, rewrite_not, rewrite_unique_items, rewrite_property_names,
+                                drop_properties_patterns_cover), (rewrite_if_chain,))
 
 
 def _legacy_draft(schema: Any) -> bool:
@@ -446,6 +463,9 @@ def _rewrite_dependencies(node: dict, legacy: bool = False) -> None:
         node["allOf"] = (node["allOf"] if isinstance(node.get("allOf"), list) else []) + extra
 
 
+_PROSE_WORDS = ("not", "if", "then", "else")
+
+
 def _places(schema: Any, message: str) -> list[str]:
     """Where ``schema`` uses the keywords llguidance's error ``message`` names (its messages say
     which keyword, not where): the places :func:`unenforced_keywords` lists, plus any node
@@ -458,11 +478,19 @@ def _places(schema: Any, message: str) -> list[str]:
         message += " pattern"      # a regex llguidance's parser refused is a pattern's
     if "Resource" in message:
         message += " $ref"         # a $ref it could not resolve
-    found = [p for p in unenforced_keywords(schema) if p.split(" ", 1)[0] in message and p.split(" ", 1)[0] in words]
+    def named_in(word: str) -> bool:   # "not", "if", ...: as a key llguidance names, not its prose ("not supported")
+        return f'"{word}"' in message if word in _PROSE_WORDS else word in message
+    found = [p for p in unenforced_keywords(schema) if named_in(p.split(" ", 1)[0]) and p.split(" ", 1)[0] in words]
     for node, where in _walk(schema):
         found += [f"{k} at {where}" for k in sorted(named) if k in node and f"{k} at {where}" not in found]
         if fmt and node.get("format") == fmt.group(1):
             found.append(f"format {fmt.group(1)} at {where}")
+    if any(p.split(" ", 1)[0] in _REWRITTEN for p in found):   # only those the rewrites left
+        import copy
+        left = copy.deepcopy(schema)
+        _rewrite_keywords(left)
+        left = {f"{k} at {where}" for node, where in _walk(left) for k in _REWRITTEN if k in node}
+        found = [p for p in found if p.split(" ", 1)[0] not in _REWRITTEN or p in left] or found
     return found
 
 

@@ -21,6 +21,7 @@ every instance; keywords not understood are left out, which only weakens it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from typing import Any
@@ -236,6 +237,9 @@ class _Inexpressible(Exception):
     pass
 
 
+Inexpressible = _Inexpressible   # (for the other rewrites, replicas.schema_not, ...)
+
+
 def _types_for(kinds: set) -> list[str]:
     """``type`` names for exactly ``kinds`` (raises where "frac" is wanted without "int")."""
     if "frac" in kinds and "int" not in kinds:
@@ -324,6 +328,15 @@ def _negate_keyword(k: str, v: Any, f: dict, ci: Info, ctx: list, root: Any, dep
         return out
     if k == "patternProperties" and not v:
         return []
+    if k == "uniqueItems" and v is False:
+        return []
+    if k == "not":
+        return [v]   # an instance fails `not: S` exactly when it satisfies S
+    if k == "pattern":
+        if not isinstance(v, str):
+            raise _Inexpressible(k)
+        complement = _complement_pattern(v) if "string" in ci.kinds else None
+        return [{"type": "string", "pattern": complement}] if complement is not None else []
     if k == "items" and (isinstance(v, (dict, bool)) and not isinstance(f.get("prefixItems"), list)):
         # An array fails `items: S` when one of its items fails S: written only where every item
         # the context allows fails S (its items disjoint from S): then any non-empty array.
@@ -347,6 +360,8 @@ def _negate_keyword(k: str, v: Any, f: dict, ci: Info, ctx: list, root: Any, dep
             return [{"enum": rest}] if rest else []
         out = []
         kinds_in = {_kind(x) for x in vals} & ci.kinds
+        if kinds_in & {"int", "frac"}:
+            kinds_in |= ci.kinds & {"int", "frac"}   # numbers are negated together (below)
         rest = ci.kinds - kinds_in
         if rest:
             out.append(_type_schema(rest))
@@ -356,8 +371,10 @@ def _negate_keyword(k: str, v: Any, f: dict, ci: Info, ctx: list, root: Any, dep
                 out += [{"enum": left}] if left else []
             elif kind == "string":
                 out.append({"type": "string", "pattern": _not_one_of_pattern([x for x in vals if isinstance(x, str)])})
-            elif kind != "null":
+            elif kind in ("array", "object"):
                 raise _Inexpressible(f"{k} with {kind} values")
+        if kinds_in & {"int", "frac"}:
+            out += _not_numbers([x for x in vals if _kind(x) in ci.kinds & {"int", "frac"}], "frac" in ci.kinds)
         return out
     bounds = {"minLength": ("string", "maxLength", -1), "maxLength": ("string", "minLength", 1),
               "minItems": ("array", "maxItems", -1), "maxItems": ("array", "minItems", 1)}
@@ -388,6 +405,15 @@ def _negate_keyword(k: str, v: Any, f: dict, ci: Info, ctx: list, root: Any, dep
             except UnresolvedRef:
                 raise _Inexpressible("an unresolved $ref") from None
         return out
+    if k == "oneOf" and isinstance(v, list):
+        # exactly one member holds: as anyOf where no two members can hold together
+        try:
+            fs = [ctx + facets(s, root) for s in v]
+        except UnresolvedRef:
+            raise _Inexpressible("an unresolved $ref") from None
+        if not all(disjoint(fs[i], fs[j], root) for i in range(len(v)) for j in range(i)):
+            raise _Inexpressible(k)
+        k = "anyOf"
     if k == "anyOf":
         if not isinstance(v, list):
             raise _Inexpressible(k)
@@ -401,6 +427,21 @@ def _negate_keyword(k: str, v: Any, f: dict, ci: Info, ctx: list, root: Any, dep
             raise _Inexpressible("too many alternatives")
         return [c[0] if len(c) == 1 else {"allOf": list(c)} for c in itertools.product(*each)]
     raise _Inexpressible(k)
+
+
+def _not_numbers(values: list, fractions: bool) -> list:
+    """The numbers (``fractions``) or integers other than ``values``: the open intervals between
+    them, as exclusive bounds."""
+    name = "number" if fractions else "integer"
+    points = sorted({float(v) if not float(v).is_integer() else int(v) for v in values})
+    if len(points) + 1 > MAX_ALTERNATIVES:
+        raise _Inexpressible("too many alternatives")
+    if not points:
+        return [{"type": name}]
+    out = [{"type": name, "exclusiveMaximum": points[0]}]
+    out += [{"type": name, "exclusiveMinimum": a, "exclusiveMaximum": b} for a, b in zip(points, points[1:])
+            if fractions or b - a > 1]
+    return out + [{"type": name, "exclusiveMinimum": points[-1]}]
 
 
 MAX_PATTERN = 20_000   # characters of a complement pattern (a longer enum is not negated)
@@ -435,6 +476,136 @@ def _not_one_of_pattern(words: list[str]) -> str:
     if len(pattern) > MAX_PATTERN:
         raise _Inexpressible("an enum too long to negate")
     return pattern
+
+
+_ANCHORS = set("bBAZzG0123456789")   # escapes that are not one character: anchors, back-references
+_ALL_CHARS = None   # every Unicode scalar value, as one string (built on first use)
+
+
+def _char_ranges(atom: str, flags: int) -> list[tuple[int, int]]:
+    """The code points the one-character regex ``atom`` matches under Python's ``re`` with
+    ``flags``, as inclusive ranges (found by running it over every code point)."""
+    import re
+    global _ALL_CHARS
+    if _ALL_CHARS is None:
+        _ALL_CHARS = "".join(map(chr, range(0xD800))) + "".join(map(chr, range(0xE000, 0x110000)))
+    cp = lambda i: i if i < 0xD800 else i + 0x800   # noqa: E731 (index -> code point: no surrogates)
+    return [(cp(m.start()), cp(m.end() - 1)) for m in re.finditer(f"(?:{atom})+", _ALL_CHARS, flags)]
+
+
+def _complement_ranges(ranges: list) -> list:
+    out, lo = [], 0
+    for a, b in ranges:
+        if a > lo:
+            out.append((lo, a - 1))
+        lo = b + 1
+    return out + ([(lo, 0x10FFFF)] if lo <= 0x10FFFF else [])
+
+
+def _union_ranges(a: list, b: list) -> list:
+    out = []
+    for lo, hi in sorted(a + b):
+        if out and lo <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _class_of(ranges: list) -> str:
+    def ch(c: int) -> str:
+        return "\\x{%x}" % c
+    return "[" + "".join(ch(a) if a == b else f"{ch(a)}-{ch(b)}" for a, b in ranges) + "]"
+
+
+def _one_char_atom(p: str) -> bool:
+    """Whether the regex ``p`` is one atom matching exactly one character: a class, a
+    character escape (not an anchor or back-reference), ``.`` or a literal character."""
+    if not p or _atom_end(p, 0) != len(p):
+        return False
+    if p[0] == "[":
+        return len(p) > 2 and p.endswith("]")
+    if p[0] == "\\":
+        return len(p) == 2 and p[1] not in _ANCHORS
+    return len(p) == 1 and p not in "^$|?*+(){}[]"   # (a group is not one character)
+
+
+_META = set(".^$|?*+()[]{}\\")
+
+
+def _anchored_literals(pattern: str) -> list[str] | None:
+    """The strings of a pattern ``^L$`` / ``^(L1|L2|...)$`` / ``^(?:...)$`` of literal
+    characters (and escaped punctuation), or None for any other pattern."""
+    if not (pattern.startswith("^") and pattern.endswith("$")) or pattern.endswith("\\$") or len(pattern) < 2:
+        return None
+    body = pattern[1:-1]
+    if body.startswith("(") and body and _atom_end(body, 0) == len(body):
+        body = body[3:-1] if body.startswith("(?:") else None if body.startswith("(?") else body[1:-1]
+        if body is None:
+            return None
+    words, word, i = [], "", 0
+    while i < len(body):
+        c = body[i]
+        if c == "|":
+            words.append(word)
+            word, i = "", i + 1
+        elif c == "\\":
+            if i + 1 >= len(body) or body[i + 1].isalnum() or body[i + 1].isspace():
+                return None   # \d, \n, \b, ...: not a literal here
+            word, i = word + body[i + 1], i + 2
+        elif c in _META or not c.isprintable():
+            return None
+        else:
+            word, i = word + c, i + 1
+    return words + [word]
+
+
+MAX_CLASS = 4000   # characters of a complement class
+
+
+@functools.lru_cache(maxsize=256)
+def _complement_pattern(pattern: str) -> str | None:
+    """An anchored regex (None: no string) matching only strings that ``pattern`` (searched, as JSON Schema reads
+    it) does not match, for two shapes: one character atom ``C`` (a class, an escape, ``.``;
+    in a group or not), unanchored: the strings with no character in ``C``; ``^C+$`` / ``^C*$``
+    where ``C`` holds a newline (Python's ``$`` also matches before a final newline): the strings
+    with a character outside ``C`` (and, for ``+``, the empty string). Where the regex dialects
+    disagree on ``C`` (Python's Unicode ``\\s`` / ``\\d`` / ``\\w`` against ECMA-262's ASCII ones) the
+    widest reading counts as ``C``: sound under each, rejecting only strings whose characters
+    outside ``C`` are ones they disagree on. Raises :class:`_Inexpressible` otherwise."""
+    import re
+    words = _anchored_literals(pattern)
+    if words is not None:   # Python's $ also matches before a final newline: "x\n" matches ^x$
+        return _not_one_of_pattern(words + [w + "\n" for w in words])
+    p = pattern
+    anchored = p.startswith("^") and p.endswith("$") and not p.endswith("\\$") and p[-2:-1] in ("+", "*")
+    if anchored:
+        p, repeat = p[1:-2], p[-2]
+    while p.startswith("(") and _atom_end(p, 0) == len(p) and not p.startswith("(?"):
+        p = p[1:-1]   # a capturing group around the atom
+    if not _one_char_atom(p):
+        raise _Inexpressible("pattern")
+    try:
+        unicode, ascii_ = _char_ranges(p, 0), _char_ranges(p, re.ASCII)
+    except re.error:
+        raise _Inexpressible("pattern") from None
+    widest = _union_ranges(unicode, ascii_)
+    if anchored and not all(any(a <= 10 <= b for a, b in r) for r in (unicode, ascii_)):
+        raise _Inexpressible("pattern")   # "x\n" matches ^x+$ in Python (its $), not in ECMA-262
+    outside = _complement_ranges(widest)
+    cls = _class_of(outside) if outside else None
+    if cls is not None and len(cls) > MAX_CLASS:
+        raise _Inexpressible("pattern")
+    if not anchored:
+        return f"^{cls}*$" if cls else "^$"
+    if cls is None:
+        return "^$" if repeat == "+" else None
+    return f"^(|(?s:.)*{cls}(?s:.)*)$" if repeat == "+" else f"^(?s:.)*{cls}(?s:.)*$"
+
+
+def _atom_end(p: str, i: int) -> int:
+    from replicas.grammar import _atom_end as end
+    return end(p, i)
 
 
 def _product_size(lists: list) -> int:
