@@ -10,7 +10,8 @@ generated per call and decode steps per call (a decode step samples a token; jum
 draft tokens the model then samples itself are appended without one:
 ``RequestMetrics.num_draft_tokens`` proposed, ``num_forced_tokens`` kept), accuracy per category
 (BFCL AST rules, ``bench.accuracy.score``); between the runs: how many outputs are identical
-(token ids) and how many texts are. Every number is a count: deterministic on any machine.
+(token ids) and how many texts are. Every number but the wall time of the generation loop is a
+count: deterministic on any machine.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from models import chat, synth
@@ -37,12 +39,13 @@ def run(items, jump: bool, policy: str, budget: float, max_tokens: int, max_num_
         ids = eng.tokenizer.apply_chat_template(item.messages, tools=item.tools, add_generation_prompt=True,
                                                 return_dict=True)["input_ids"]
         eng.add_request(item.id, ids, params, GrammarSpec("tools", {"tools": item.tools, "tool_choice": "auto"}))
-    outs, steps = {}, 0
+    outs, steps, t0 = {}, 0, time.perf_counter()
     while eng.has_unfinished():
         steps += 1
         for out in eng.step():
             if out.finished:
                 outs[out.request_id] = out
+    wall = time.perf_counter() - t0
     eng.close()
     per = []
     for item in items:
@@ -53,7 +56,7 @@ def run(items, jump: bool, policy: str, budget: float, max_tokens: int, max_num_
             calls = 0
         per.append({"id": item.id, "category": item.category, "token_ids": out.token_ids, "text": out.text,
                     "forced": out.metrics.num_forced_tokens, "drafted": out.metrics.num_draft_tokens, "calls": calls, "correct": score(item, out.text)})
-    return {"items": per, "engine_steps": steps, "jump_forward_active": eng.jump_forward}
+    return {"items": per, "engine_steps": steps, "jump_forward_active": eng.jump_forward, "wall_s": wall}
 
 
 def summarize(r: dict) -> dict:
@@ -71,7 +74,7 @@ def summarize(r: dict) -> dict:
             "decode_steps_per_call": (tokens - forced) / calls if calls else 0.0,
             "all_tokens": sum(len(p["token_ids"]) for p in per),
             "all_decode_steps": sum(len(p["token_ids"]) - p["forced"] for p in per),
-            "engine_steps": r["engine_steps"], "jump_forward_active": r["jump_forward_active"],
+            "engine_steps": r["engine_steps"], "wall_s": r["wall_s"], "jump_forward_active": r["jump_forward_active"],
             "correct": {c: sum(v) for c, v in acc.items()}, "n": {c: len(v) for c, v in acc.items()}}
 
 
@@ -89,7 +92,7 @@ def format_table(off: dict, on: dict, cmp: dict) -> str:
                        ("draft_tokens", "draft tokens (proposed)"),
                        ("forced_tokens", "forced tokens (no step)"), ("tokens_per_call", "tokens per call"),
                        ("decode_steps_per_call", "decode steps per call"), ("all_decode_steps", "decode steps (all)"),
-                       ("engine_steps", "engine steps")):
+                       ("engine_steps", "engine steps"), ("wall_s", "wall time (s, one run)")):
         a, b = off[key], on[key]
         rows.append(f"{label:<28} {a:>9.2f} {b:>9.2f}" if isinstance(a, float) else f"{label:<28} {a:>9} {b:>9}")
     if off["decode_steps_per_call"]:
