@@ -161,3 +161,23 @@ def test_sampled_outputs_equal_and_rejected_drafts_leave_no_kv(tool_requests):
     drafted = sum(o.metrics.num_draft_tokens for o in on)
     kept = sum(o.metrics.num_forced_tokens for o in on)
     assert 0 < kept < drafted            # drafts were kept and drafts were rejected
+
+
+def test_deltas_carry_kept_draft_tokens_and_add_up(tool_requests):
+    """A step that keeps draft tokens reports them with the token it sampled, in one delta; the
+    deltas add up to the whole output (tokens and text), and never hold an unverified draft."""
+    eng = LLMEngine(EngineConfig(kv_cache_bytes=64 << 20, max_num_seqs=8, enable_jump_forward=True))
+    ids, spec = tool_requests[0]
+    eng.add_request("r", ids, PARAMS, spec)
+    outs = []
+    while eng.has_unfinished():
+        for out in eng.step():
+            seq = eng._seqs.get("r")
+            if seq is not None:   # what was reported is output, the draft is not
+                assert out.num_output_tokens == len(seq.output_token_ids)
+            outs.append(out)
+    last = outs[-1]
+    assert last.finished and last.metrics.num_forced_tokens > 0
+    assert max(len(o.new_token_ids) for o in outs) > 1
+    assert [t for o in outs for t in o.new_token_ids] == last.token_ids
+    assert "".join(o.new_text for o in outs) == last.text
