@@ -31,6 +31,7 @@ import itertools
 import re
 from typing import Any
 
+from replicas.schema_not import _add_any_of
 from replicas.schema_oneof import Inexpressible, Info, UnresolvedRef, _canon, _type_schema, facets
 
 MAX_ARRAYS = 128     # distinct arrays written out for uniqueItems
@@ -68,14 +69,6 @@ def _search(pattern: str, name: str) -> bool:
     if u != a:
         raise ValueError(pattern)
     return u
-
-
-def _add_any_of(node: dict, alternatives: list) -> None:
-    alternatives = alternatives or [False]
-    if "anyOf" not in node:
-        node["anyOf"] = alternatives
-    else:
-        node["allOf"] = (node["allOf"] if isinstance(node.get("allOf"), list) else []) + [{"anyOf": alternatives}]
 
 
 def rewrite_unique_items(node: dict, root: Any) -> bool:
