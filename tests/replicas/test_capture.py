@@ -9,7 +9,7 @@ from replicas.kv_cache import Precision
 from replicas.sampling_params import SamplingParams
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def decoding(micro_model):
     """An engine on the micro model with three sequences decoding, their KV in all three pools."""
     eng = LLMEngine(EngineConfig(model=str(micro_model), kv_cache_bytes=16 << 20, max_num_seqs=4,
@@ -25,6 +25,18 @@ def decoding(micro_model):
     eng.close()
 
 
+def _forward(eng, plan):
+    """The decode forward over ``plan``: store the new KV, attend, logits ``[B, vocab]``."""
+    kv, model = eng.kv, eng.model
+
+    def forward(ids, positions):
+        def attention(layer, q, k, v):
+            kv.store(plan, layer, k, v)
+            return kv.attend(plan, layer, q, k, v)
+        return model.logits(model(ids, positions, attention))
+    return forward
+
+
 def test_decode_forward_compiles_fullgraph_and_equals_eager(decoding):
     eng = decoding
     seqs = list(eng.scheduler.running)
@@ -35,14 +47,7 @@ def test_decode_forward_compiles_fullgraph_and_equals_eager(decoding):
     plan = eng.kv.plan_decode([s.request_id for s in seqs], positions, targets)
     plan.capturable = True
     ids = torch.tensor([s.output_token_ids[-1] for s in seqs])
-    kv, model = eng.kv, eng.model
-
-    def forward(ids, positions):
-        def attention(layer, q, k, v):
-            kv.store(plan, layer, k, v)           # the same values twice: idempotent
-            return kv.attend(plan, layer, q, k, v)
-        return model.logits(model(ids, positions, attention))
-
+    forward = _forward(eng, plan)    # stores the same values each call: idempotent
     with torch.no_grad():
         eager = forward(ids, positions)
         torch._dynamo.reset()
@@ -51,3 +56,49 @@ def test_decode_forward_compiles_fullgraph_and_equals_eager(decoding):
     plan.capturable = False   # the chunked eager reference gives the same logits
     with torch.no_grad():
         torch.testing.assert_close(forward(ids, positions), eager, rtol=1e-4, atol=1e-4)
+
+
+def _compiled_code(eng, plan, ids, positions):
+    """Inductor's generated code for the decode forward over ``plan``, and its logits."""
+    from torch._inductor.utils import run_and_get_code
+    torch._dynamo.reset()
+    with torch.no_grad():
+        return run_and_get_code(torch.compile(_forward(eng, plan), fullgraph=True, backend="inductor"), ids, positions)
+
+
+def test_inductor_writes_the_pools_in_place(decoding):
+    """Compiled by inductor, the step's KV writes go through the custom store ops and touch only
+    the new slots: no kernel of the generated code spans a whole pool (an in-graph
+    ``pool[slots] = k`` is functionalized into a copy of every pool on every call). The values
+    written and the logits equal eager's."""
+    eng = decoding
+    seqs = list(eng.scheduler.running)
+    positions = torch.tensor([s.num_tokens - 1 for s in seqs])
+    targets = torch.tensor([[int(Precision.HIGH), int(Precision.INT8)], [int(Precision.INT4), int(Precision.HIGH)],
+                            [int(Precision.INT8), int(Precision.INT8)]])
+    plan = eng.kv.plan_decode([s.request_id for s in seqs], positions, targets)
+    ids = torch.tensor([s.output_token_ids[-1] for s in seqs])
+    pools = [eng.kv.pools[p] for p in (Precision.HIGH, Precision.INT8, Precision.INT4)]
+
+    def written():
+        return [t.flatten(0, 1)[plan.slot_mapping[p.precision][layer]].clone()
+                for p in pools for t in p.tensors() for layer in range(eng.kv.cfg.num_layers)]
+
+    plan.capturable = True
+    with torch.no_grad():
+        eager = _forward(eng, plan)(ids, positions)
+    eager_written = written()
+    for p in pools:   # so that the compiled call has to write them again
+        for t in p.tensors():
+            for layer in range(eng.kv.cfg.num_layers):
+                t.flatten(0, 1)[plan.slot_mapping[p.precision][layer]] = 0
+    compiled, codes = _compiled_code(eng, plan, ids, positions)
+    code = "\n".join(codes)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    for got, want in zip(written(), eager_written):
+        torch.testing.assert_close(got, want)
+    assert "structkv.store_high" in code and "structkv.store_low" in code
+    # a kernel over a whole pool loops to the pool's numel (C++: ``x0<static_cast<int64_t>(N L)``)
+    bounds = {f"<static_cast<int64_t>({t.numel()}L)" for p in pools for t in p.tensors()}
+    spans = [line.strip() for line in code.splitlines() if any(b in line for b in bounds)]
+    assert not spans, spans[:3]
