@@ -1,18 +1,20 @@
-"""The KV store write as PyTorch custom ops, for captured decode graphs.
+"""The decode step's KV store, written so that a compiled or captured decode graph keeps it in place.
 
-Inside ``torch.compile``, an in-graph ``pool[slots] = k`` on a pool tensor the graph closes over is
-functionalized: the graph computes a new pool and copies it back, so every call copies the whole
-pool. Measured on the CPU (inductor, the embedded model, batch 8, 512-token contexts, full KV):
-one decode forward took 42.5 ms with a 64 MiB pool and 374.6 ms with a 1 GiB pool, against 6.5 ms
-eager. Declared as custom ops that mutate their pool arguments (``mutates_args``), the writes stay
-in place (inductor re-inplaces them) and the same forward took 5.6-6.2 ms at either pool size.
-vLLM does the same with its ``reshape_and_cache`` op.
+Inside ``torch.compile``, a write through a *view* of a pool (``pool.flatten(0, 1)[slots] = k``)
+is functionalized: the graph computes a new pool and copies it back, so every call copies the
+whole pool. Measured on the CPU (inductor, the embedded model, batch 8, 512-token contexts, full
+KV): one decode forward took 42.5 ms with a 64 MiB pool and 374.6 ms with a 1 GiB pool, against
+6.5 ms eager. Indexing the pool tensor itself (``pool.index_put_((page, offset), k)``, no view) is
+an in-place mutation of a graph input, which inductor keeps as a scatter of the new slots: no
+kernel of the generated code spans a pool (``tests/replicas/test_capture.py``). PyTorch custom
+ops that mutate the pools (vLLM's ``reshape_and_cache`` approach) kept the writes in place too,
+but run their Python body on every call: a compiled forward of the 2-layer test model made 766
+Python calls with them, 206 with ``index_put_`` (``cProfile``, inductor's C++ wrapper).
 
-Shapes (the pools are passed whole, not as views: a view of a closed-over tensor is
-functionalized again):
-    k_pool, v_pool  ``[P, bs, Hkv, D]`` float (HIGH) or ``[P, bs, Hkv, D']`` int8 / uint8 (LOW,
-                    see :mod:`kernels.quantize`)
-    k_scale, v_scale  ``[P, bs, Hkv]`` float32 (LOW only)
+Shapes:
+    k_pool, v_pool  ``[P, bs, Hkv, D]`` float (bits 0) or ``[P, bs, Hkv, D']`` int8 / uint8
+                    (bits 8 / 4, see :mod:`kernels.quantize`)
+    k_scale, v_scale  ``[P, bs, Hkv]`` float32 (bits 8 / 4), None for bits 0
     slots           ``[N]`` int64 flat slot of each new token (page x bs + offset)
     k, v            ``[N, Hkv, D]`` float
 """
@@ -21,23 +23,24 @@ from __future__ import annotations
 
 import torch
 
-
-@torch.library.custom_op("structkv::store_high", mutates_args=("k_pool", "v_pool"))
-def store_high(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> None:
-    """Write ``k, v`` at ``slots`` of a HIGH pool, in the pool's dtype."""
-    k_pool.flatten(0, 1)[slots] = k.to(k_pool.dtype)
-    v_pool.flatten(0, 1)[slots] = v.to(v_pool.dtype)
+from kernels.quantize import quantize_ref
 
 
-@torch.library.custom_op("structkv::store_low", mutates_args=("k_pool", "v_pool", "k_scale", "v_scale"))
-def store_low(k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
-              slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bits: int) -> None:
-    """Quantize ``k, v`` to ``bits`` (8 or 4) and write data and scales at ``slots`` of a LOW pool
-    (the Triton kernel on CUDA, the reference elsewhere: :func:`kernels.quantize_store`)."""
-    from kernels import quantize_store
-    quantize_store(k, k_pool.flatten(0, 1), k_scale.flatten(0, 1), slots, bits)
-    quantize_store(v, v_pool.flatten(0, 1), v_scale.flatten(0, 1), slots, bits)
+def store_slots(k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor | None,
+                v_scale: torch.Tensor | None, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                bits: int) -> None:
+    """Write ``k, v`` at ``slots`` of one pool, quantized to ``bits`` (0: in the pool's dtype;
+    8 / 4: data and per-(token, head) scales, as :func:`kernels.quantize.quantize_ref`)."""
+    bs = k_pool.shape[1]
+    index = (torch.div(slots, bs, rounding_mode="floor"), torch.remainder(slots, bs))
+    if bits == 0:
+        k_pool.index_put_(index, k.to(k_pool.dtype))
+        v_pool.index_put_(index, v.to(v_pool.dtype))
+        return
+    for x, data, scale in ((k, k_pool, k_scale), (v, v_pool, v_scale)):
+        q, s = quantize_ref(x, bits)
+        data.index_put_(index, q)
+        scale.index_put_(index, s)
 
 
-__all__ = ["store_high", "store_low"]
+__all__ = ["store_slots"]

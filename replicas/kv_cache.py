@@ -532,17 +532,14 @@ class KVCache:
 
     def store(self, plan: DecodePlan, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the batch's new ``k, v [B, Hkv, D]`` of ``layer`` at the plan's slots, each pool
-        at its precision (one write per pool). A ``capturable`` plan writes through the custom ops
-        of :mod:`kernels.kv_store`, which a captured graph keeps in place."""
+        at its precision (one write per pool). A ``capturable`` plan writes with
+        :func:`kernels.kv_store.store_slots`, which a compiled or captured graph keeps in place."""
         for p, mapping in plan.slot_mapping.items():
             if not plan.capturable:
                 self._write(p, mapping[layer], k, v)
                 continue
             pool = self.pools[p]
-            if pool.bits == 0:
-                kv_store.store_high(pool.k, pool.v, mapping[layer], k, v)
-            else:
-                kv_store.store_low(pool.k, pool.v, pool.k_scale, pool.v_scale, mapping[layer], k, v, pool.bits)
+            kv_store.store_slots(pool.k, pool.v, pool.k_scale, pool.v_scale, mapping[layer], k, v, pool.bits)
 
     def attend(self, plan: DecodePlan, layer: int, q: torch.Tensor, k: torch.Tensor | None = None,
                v: torch.Tensor | None = None, sm_scale: float | None = None) -> torch.Tensor:
