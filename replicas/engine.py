@@ -167,6 +167,9 @@ class LLMEngine:
                 logger.warning("kv_budget %.4g is below kv_policy %r's floors on its calibration data (%.4g of full KV): "
                                "requests that send no kv_budget will mostly be refused", config.kv_budget,
                                config.kv_policy, self.policy.floor_cost)
+        if not config.enforce_eager:
+            from replicas.decode_graph import DecodeGraph
+            self.runner.graph = DecodeGraph(self.model, self.kv, self.policy.spec.precisions, config.max_num_seqs)
         self.generator = torch.Generator().manual_seed(config.seed)
         # Jump-forward only where the policy takes generated tokens as a chunk (else: no change).
         self.jump_forward = config.enable_jump_forward and self.policy.spec.forced_chunks

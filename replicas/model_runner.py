@@ -45,6 +45,7 @@ class PrefillResult(NamedTuple):
 class ModelRunner:
     def __init__(self, model: CausalLM, kv: KVCache, device: torch.device):
         self.model, self.kv, self.device = model, kv, device
+        self.graph = None   # replicas.decode_graph.DecodeGraph, when the engine compiles decode
 
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence], plan: DecodePlan | None, chunks: list[PrefillChunk],
@@ -74,6 +75,12 @@ class ModelRunner:
         nd = len(seqs)
         sizes = [len(c.token_ids) for c in chunks]
         ids = [s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1] for s in seqs]
+        if nd and not chunks and not record_queries and self.graph is not None and self.graph.supports(plan):
+            logits = self.graph(torch.tensor(ids, dtype=torch.long, device=self.device),
+                                torch.tensor([s.num_tokens - 1 for s in seqs], dtype=torch.long,
+                                             device=self.device), plan)
+            if logits is not None:
+                return logits, {}, []
         ids += [t for c in chunks for t in c.token_ids]
         positions = torch.cat([torch.tensor([s.num_tokens - 1 for s in seqs], dtype=torch.long)]
                               + [torch.arange(c.start, c.start + n) for c, n in zip(chunks, sizes)])

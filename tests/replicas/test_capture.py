@@ -101,3 +101,59 @@ def test_inductor_writes_the_pools_in_place(decoding):
     bounds = {f"<static_cast<int64_t>({t.numel()}L)" for p in pools for t in p.tensors()}
     spans = [line.strip() for line in code.splitlines() if any(b in line for b in bounds)]
     assert not spans, spans[:3]
+
+
+def test_decode_graph_equals_eager_over_every_pool(decoding):
+    """The engine's compiled decode forward (``DecodeGraph``, one dynamic-shape graph) gives the
+    eager forward's logits and writes the same values at the plan's slots, with the new tokens
+    stored at HIGH, INT8, INT4 and not at all in different rows and layers; the batch is padded
+    (to 2 rows for one sequence) without writing outside the trash page."""
+    from replicas.decode_graph import DecodeGraph
+    eng = decoding
+    graph = DecodeGraph(eng.model, eng.kv, (Precision.HIGH, Precision.INT8, Precision.INT4), 4)
+    seqs = list(eng.scheduler.running)
+    torch._dynamo.reset()
+    for batch, targets in ((seqs, [[int(Precision.HIGH), int(Precision.INT8)], [int(Precision.INT4), int(Precision.RELEASED)],
+                                   [int(Precision.INT8), int(Precision.INT8)]]),
+                           (seqs[:1], [[int(Precision.INT4), int(Precision.HIGH)]])):
+        positions = torch.tensor([s.num_tokens for s in batch])   # a new position: placed now
+        plan = eng.kv.plan_decode([s.request_id for s in batch], positions, torch.tensor(targets))
+        ids = torch.tensor([s.output_token_ids[-1] for s in batch])
+        assert graph.supports(plan)
+        with torch.no_grad():
+            eager = _forward(eng, plan)(ids, positions)
+            pools = {p: [t.clone() for t in eng.kv.pools[p].tensors()] for p in graph.precisions}
+            for p, mapping in plan.slot_mapping.items():   # the graph has to write the new slots again
+                for t in eng.kv.pools[p].tensors():
+                    t.flatten(0, 1)[mapping.flatten()] = 0
+            got = graph(ids, positions, plan)
+        torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
+        for p in graph.precisions:   # equal everywhere but the trash page (padding rows write there)
+            for t, want in zip(eng.kv.pools[p].tensors(), pools[p]):
+                torch.testing.assert_close(t[1:], want[1:], equal_nan=True)   # (pages never handed out)
+        for s in batch:
+            s.output_token_ids.append(int(got[batch.index(s)].argmax()))
+    from torch._dynamo.utils import counters
+    assert graph.calls == 2 and not graph.failed
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])   # one compile for both batches
+
+
+def test_engine_with_compiled_decode_matches_eager(micro_model):
+    """``enforce_eager=False``: every decode step runs through the graph, and greedy outputs
+    equal the eager engine's."""
+    outs = {}
+    for eager in (True, False):
+        eng = LLMEngine(EngineConfig(model=str(micro_model), kv_cache_bytes=16 << 20, max_num_seqs=4,
+                                     max_model_len=256, enforce_eager=eager))
+        res = eng.generate([list(range(5, 5 + n)) for n in (37, 20, 53)],
+                           SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        outs[eager] = [list(r.token_ids) for r in res]
+        if not eager:
+            assert eng.runner.graph.calls == 11 and not eng.runner.graph.failed   # 12 tokens: 1 from prefill
+        eng.close()
+    assert outs[False] == outs[True]
+
+
+def test_enforce_eager_false_needs_one_rank():
+    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
+        EngineConfig(enforce_eager=False, tensor_parallel_size=2)

@@ -1,0 +1,158 @@
+"""The decode forward as one compiled graph (``EngineConfig.enforce_eager=False``).
+
+A decode step's forward reads only the step plan's tensors (token ids, positions, per pool the
+slot mapping, block tables and context lengths, the rows whose new token attends to itself), so
+it can be compiled once and replayed: no Python runs per layer or per sequence inside it. This
+follows vLLM's and nano-vllm's model runners: eager prefill, a compiled / captured decode.
+
+- **CPU**: ``torch.compile(fullgraph=True, dynamic=True)`` (inductor) of the forward; batch size
+  and block-table widths are symbolic, so one compile serves every step (batch and width are
+  padded to at least 2, as PyTorch specializes dimensions of size 0 and 1). The first step
+  compiles (tens of seconds on two cores for the embedded model).
+- **CUDA**: the same function compiled with ``mode="reduce-overhead"`` (inductor + CUDA graphs,
+  one graph per distinct input shape): the batch is padded up to a bucket (1, 2, 4, 8, then
+  multiples of 8, as vLLM's capture sizes) and the block tables to the widest a sequence can
+  have, so there is one graph per bucket. The pools are marked static addresses, so the graphs
+  write them in place. *Not yet run on a GPU by this project*: a failure to compile or capture
+  falls back to the eager forward for the rest of the engine's life, logged once.
+
+Every pool the policy stores into is attended in every layer (a pool nobody uses in a layer has
+context length 0 there), with the static paged-attention reference on the CPU
+(:func:`kernels.decode_attention.paged_decode_attention_static`) or the Triton kernel on CUDA,
+merged by log-sum-exp with the new tokens' attention to themselves. The KV writes go through
+:func:`kernels.kv_store.store_slots` (in place under compilation).
+
+Not covered (the step runs eager): steps with prompt chunks or drafts, policies that record the
+decode queries (H2O, SnapKV-style scores), tensor parallelism, a batch above ``max_num_seqs``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+import kernels
+from kernels import kv_store
+from replicas.kv_cache import DecodePlan, KVCache
+from replicas.precision import Precision
+
+logger = logging.getLogger(__name__)
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """CUDA graph batch sizes: 1, 2, 4, 8, then multiples of 8 up to ``max_num_seqs`` (included)."""
+    sizes = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs, 8))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+class DecodeGraph:
+    """The engine's compiled decode forward over one rank's model and KV cache.
+
+    Args:
+        model: the :class:`replicas.models.CausalLM`.
+        kv: the rank's :class:`KVCache`.
+        precisions: the pools the policy stores into (``PolicySpec.precisions``); HIGH first.
+        max_num_seqs: the largest decode batch.
+    """
+
+    def __init__(self, model, kv: KVCache, precisions, max_num_seqs: int):
+        self.model, self.kv = model, kv
+        self.device = kv.device
+        self.precisions = tuple(p for p in (Precision.HIGH, Precision.INT8, Precision.INT4) if p in precisions)
+        self.with_self = any(p != Precision.HIGH for p in self.precisions)
+        self.cuda = self.device.type == "cuda"
+        self.buckets = batch_buckets(max_num_seqs)
+        bs = kv.cfg.block_size
+        self.max_pages = -(-kv.cfg.max_model_len // bs)
+        self.failed = False
+        self.calls = 0        # steps run through the graph
+        if self.cuda:
+            for p in self.precisions:
+                for t in kv.pools[p].tensors():
+                    torch._dynamo.mark_static_address(t)
+        self._compiled = torch.compile(self._forward, fullgraph=True, dynamic=True,
+                                       mode="reduce-overhead" if self.cuda else None)
+
+    def supports(self, plan: DecodePlan) -> bool:
+        """Whether this step can run through the graph: every pool it reads or writes is one the
+        graph attends, and its batch fits a bucket."""
+        used = set(plan.slot_mapping) | {p for p, active in plan.active.items() if any(active)}
+        return not self.failed and used <= set(self.precisions) and plan.rows.numel() <= self.buckets[-1]
+
+    def _forward(self, ids, positions, slots, tables, lens, self_rows):
+        """Logits ``[B, vocab]`` of one decode step; ``slots [P, L, B]`` int64, ``tables``: per
+        pool ``[L, B, W]`` int32, ``lens [P, L, B]`` int32, ``self_rows [L, B]`` bool."""
+        kv, pools = self.kv, [self.kv.pools[p] for p in self.precisions]
+
+        def attention(layer, q, k, v):
+            outs, lses = [], []
+            for i, pool in enumerate(pools):
+                kv_store.store_slots(pool.k, pool.v, pool.k_scale, pool.v_scale, slots[i, layer], k, v, pool.bits)
+            for i, pool in enumerate(pools):
+                out, lse = kernels.paged_decode_attention(q, pool.k, pool.v, pool.k_scale, pool.v_scale,
+                                                          tables[i][layer], lens[i, layer], pool.bits,
+                                                          need_lse=True, static=True)
+                outs.append(out)
+                lses.append(lse)
+            if self.with_self:   # one key each: the output is the value, the log-sum-exp the scaled score
+                g = q.shape[1] // k.shape[1]
+                kr, vr = k.float().repeat_interleave(g, 1), v.float().repeat_interleave(g, 1)
+                lse = ((q.float() * kr).sum(-1) / math.sqrt(q.shape[-1])).masked_fill(
+                    ~self_rows[layer][:, None], float("-inf"))
+                outs.append(vr)
+                lses.append(lse)
+            merged = outs[0] if len(outs) == 1 else kernels.merge_attention_states(outs, lses)
+            return merged.to(q.dtype)
+
+        return self.model.logits(self.model(ids, positions, attention))
+
+    def _inputs(self, ids: torch.Tensor, positions: torch.Tensor, plan: DecodePlan):
+        """The graph's inputs for ``plan``, the batch padded to ``n`` rows (padding rows: no
+        context, their writes to each pool's trash slot)."""
+        b = ids.shape[0]
+        n = next(x for x in self.buckets if x >= b) if self.cuda else max(b, 2)
+        L, dev = self.kv.cfg.num_layers, self.device
+
+        def pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+            if x.shape[dim] == size:
+                return x
+            shape = list(x.shape)
+            shape[dim] = size - x.shape[dim]
+            return torch.cat([x, x.new_zeros(shape)], dim)
+
+        slots = torch.stack([pad(plan.slot_mapping[p], 1, n) if p in plan.slot_mapping
+                             else torch.zeros(L, n, dtype=torch.int64, device=dev) for p in self.precisions])
+        tables, lens = [], []
+        for p in self.precisions:
+            if p in plan.block_tables:
+                t = pad(plan.block_tables[p], 1, n)
+                width = self.max_pages if self.cuda else max(t.shape[2], 2)
+                tables.append(pad(t, 2, width))
+                lens.append(pad(plan.context_lens[p], 1, n))
+            else:
+                tables.append(torch.zeros(L, n, self.max_pages if self.cuda else 2, dtype=torch.int32, device=dev))
+                lens.append(torch.zeros(L, n, dtype=torch.int32, device=dev))
+        self_rows = (pad(plan.self_rows, 1, n) if plan.self_rows is not None
+                     else torch.zeros(L, n, dtype=torch.bool, device=dev))
+        return pad(ids, 0, n), pad(positions, 0, n), slots, tuple(tables), torch.stack(lens), self_rows
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, plan: DecodePlan) -> torch.Tensor | None:
+        """Logits ``[B, vocab]`` float32 of the decode step over ``plan`` (its KV stored as the
+        eager forward stores it), or None when the graph failed (the caller runs eager; the
+        failure is logged once and the graph is not tried again)."""
+        b = ids.shape[0]
+        try:
+            # No duck sizing: sizes equal at the first call (the batch and the pool count, say)
+            # must not become one symbol, or a later step recompiles.
+            with torch.fx.experimental._config.patch(use_duck_shape=False):
+                logits = self._compiled(*self._inputs(ids, positions, plan))
+        except Exception:   # compile or capture failure: eager from now on (the eager forward
+            # writes the same values at the same slots, so a partial run changes nothing)
+            logger.exception("the compiled decode graph failed; decoding eagerly from now on")
+            self.failed = True
+            return None
+        self.calls += 1
+        logits = logits[:b].float()
+        return logits.clone() if self.cuda else logits   # a CUDA graph's output is overwritten by its next replay
