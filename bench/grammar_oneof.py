@@ -4,54 +4,23 @@
 
 Which schemas: those whose ``oneOf`` our check flags (``oneOf with members that may overlap``)
 that llguidance refuses without the rewrite (``replicas.schema_oneof.rewrite_one_of`` disabled)
-and compiles with it (both compiled in this process). Per schema, served through
-``GrammarCompiler.compile``: ``bench.grammar_soundness.check_schema`` (hypothesis-jsonschema
-instances, their mutations, grammar samples), plus instances drawn from the schema with every
-``oneOf`` read as ``anyOf`` (so some match two members), split by ``jsonschema``'s verdict on the
-real schema: the valid ones must be accepted, the others rejected.
+and compiles with it. Each is checked as ``bench.grammar_newly_served`` describes, the loosened
+schema being the schema with every ``oneOf`` read as ``anyOf`` (so some instances match two
+members).
 """
 
 from __future__ import annotations
 
-import argparse
-import collections
 import copy
-import gzip
-import json
-import random
-import signal
 import sys
-from pathlib import Path
 
 
 def newly_served(tok) -> list:
-    from bench.grammar_coverage import JSONSCHEMABENCH_DIR
+    from bench.grammar_newly_served import newly_served as find
     from replicas import grammar as g
     from replicas import schema_oneof
-    from replicas.errors import GrammarCompileError
-    llg = g._llguidance_tokenizer(tok, len(tok), [tok.eos_token_id])
-    real = schema_oneof.rewrite_one_of
-
-    def compiles(schema, rewrite: bool) -> bool:
-        schema_oneof.rewrite_one_of = real if rewrite else (lambda node, root: False)
-        try:
-            g._llguidance_compile(*llg, g.GrammarSpec("json_schema", schema))
-            return True
-        except GrammarCompileError:
-            return False
-        finally:
-            schema_oneof.rewrite_one_of = real
-    out = []
-    for path in sorted(JSONSCHEMABENCH_DIR.glob("*.jsonl.gz")):
-        with gzip.open(path, "rt") as f:
-            for i, line in enumerate(f):
-                row = json.loads(line)
-                schema = row.get("json_schema", row.get("schema", row))
-                if isinstance(schema, str) or not any("oneOf with members" in p for p in g.unenforced_keywords(schema)):
-                    continue
-                if not compiles(schema, False) and compiles(schema, True):
-                    out.append((path.name.split(".")[0], i, schema))
-    return out
+    return find(tok, lambda s: any("oneOf with members" in p for p in g.unenforced_keywords(s)),
+                schema_oneof, "rewrite_one_of", lambda node, root: False)
 
 
 def as_any_of(schema):
@@ -64,44 +33,8 @@ def as_any_of(schema):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.grammar_oneof", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--limit", type=int, help="at most this many schemas (a seeded random sample)")
-    ap.add_argument("--schema-s", type=float, default=6.0, help="CPU seconds per schema and check")
-    ap.add_argument("--json", type=Path, help="one record per schema, JSON lines")
-    args = ap.parse_args(argv)
-    from bench import grammar_soundness as gs
-    from bench.grammar_coverage import _compiler
-    tok, compiler = _compiler(10.0)
-    todo = newly_served(tok)
-    print(f"newly served: {len(todo)}", file=sys.stderr)
-    random.Random(0).shuffle(todo)
-    tot = collections.Counter()
-    out = args.json.open("w") if args.json else None
-    for subset, i, schema in todo[:args.limit]:
-        rec = gs.check_schema(compiler, tok, schema, schema_s=args.schema_s)
-        extra = {}
-        if rec["status"] in ("served", "bounded"):
-            grammar, v = gs.Grammar(compiler, tok, schema), gs.validator(schema)
-            gs._alarm(args.schema_s)
-            try:
-                xs, _ = gs.valid_instances(gs.typed(as_any_of(schema)), 6, 1)
-                extra = gs.check_instances(grammar, v, [x for x in xs if gs.is_valid(v, x) is True],
-                                           [x for x in xs if gs.is_valid(v, x) is False], schema)
-            except gs._Timeout:
-                extra = {"bounded": 1}
-            finally:
-                signal.setitimer(signal.ITIMER_PROF, 0)
-        tot["schemas"] += 1
-        tot[rec["status"]] += 1
-        for k in ("valid", "invalid", "valid_rejected", "invalid_accepted", "samples", "samples_invalid"):
-            tot[k] += rec.get(k, 0)
-        for k in ("valid", "invalid", "valid_rejected", "invalid_accepted"):
-            tot["anyof_" + k] += extra.get(k, 0)
-        if out:
-            out.write(json.dumps({"subset": subset, "i": i, "rec": rec, "anyof": extra}) + "\n")
-            out.flush()
-    print(json.dumps(dict(tot)))
-    return 0
+    from bench.grammar_newly_served import main as run
+    return run(argv, "python -m bench.grammar_oneof", __doc__, newly_served, as_any_of, 6, "anyof")
 
 
 if __name__ == "__main__":
