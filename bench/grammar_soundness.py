@@ -81,13 +81,24 @@ def _hypothesis_jsonschema_compat() -> None:
     fs.cu, fs._compat = _CU(), True
 
 
+def _ecma(pattern: str) -> str:
+    """``pattern`` for Python's ``re`` with ``re.ASCII`` as ECMA-262 reads it: ``\\w``, ``\\d``,
+    ``\\b`` ASCII-only (the flag), ``\\s`` ECMA's WhiteSpace and LineTerminator (which add
+    U+00A0, U+FEFF, U+2028 ... to ASCII's)."""
+    from replicas.grammar import ecma_whitespace
+    try:
+        return ecma_whitespace(pattern)
+    except ValueError:   # \S in a class: ASCII's reading
+        return pattern
+
+
 def _ecma_pattern(validator, pattern, instance, schema):
-    """``pattern`` with ``\\w``, ``\\d``, ``\\b`` ASCII-only, as ECMA-262 (which JSON Schema names)
-    reads them; Python's ``re`` makes them Unicode-aware (``\\w`` matched ``"ŭ"``)."""
+    """``pattern`` as ECMA-262 (which JSON Schema names) reads it (:func:`_ecma`); Python's ``re``
+    makes ``\\w`` / ``\\d`` Unicode-aware (``\\w`` matched ``"ŭ"``)."""
     import re
 
     from jsonschema.exceptions import ValidationError
-    if validator.is_type(instance, "string") and not re.search(pattern, instance, re.ASCII):
+    if validator.is_type(instance, "string") and not re.search(_ecma(pattern), instance, re.ASCII):
         yield ValidationError(f"{instance!r} does not match {pattern!r}")
 
 
@@ -98,7 +109,7 @@ def _ecma_pattern_properties(validator, patterns, instance, schema):
         return
     for pattern, subschema in patterns.items():
         for k, v in instance.items():
-            if re.search(pattern, k, re.ASCII):
+            if re.search(_ecma(pattern), k, re.ASCII):
                 yield from validator.descend(v, subschema, path=k, schema_path=pattern)
 
 

@@ -278,18 +278,20 @@ def optional_group_starting_optional(pattern: str) -> bool:
                for p, j, alts in _groups(pattern))
 
 
-def optional_group_ending_repeated(pattern: str) -> bool:
+def optional_group_with_repeated_end(pattern: str) -> bool:
     """Whether ``pattern`` has a group that may be skipped once (``(...)?``) whose body, or one of
-    its alternatives, ends with an atom repeated without bound (``*``, ``+``, ``{n,}``). xgrammar
-    0.2.9 then accepts the body without its start: ``^(ab*)?c$`` accepted ``"bc"`` (seen in a
-    JSONSchemaBench pattern, ``^([ZB][1-9][0-9]*)?K[1-9][0-9]*$``: a grammar sample
-    ``"434602470600400302K144"`` broke it); ``(a[0-9]*b)?``, ``(ab{2})?``, ``(ab*)*`` were
-    right."""
-    def ends_repeated(alt: str) -> bool:
-        atoms = list(_top_level_atoms(alt))   # the last atom and its quantifier: "x*" -> atoms x, *
-        return len(atoms) >= 2 and (alt[atoms[-1][0]] in "*+" or re.fullmatch(r"\{\d+,\}", alt[atoms[-1][0]:])
-                                    or alt.endswith(",}"))
-    return any((p.startswith("?", j) or p.startswith("{0,1}", j)) and any(map(ends_repeated, alts))
+    its alternatives, starts or ends with an atom repeated without bound (``*``, ``+``, ``{n,}``).
+    In a schema's string xgrammar 0.2.9 then accepts part of the body alone: ``^(ab*)?c$``
+    accepted ``"bc"`` (a JSONSchemaBench pattern, ``^([ZB][1-9][0-9]*)?K[1-9][0-9]*$``: a grammar
+    sample ``"434602470600400302K144"`` broke it), ``^x(a+b)?$`` accepted ``"xa"`` (the ISO 8601
+    duration pattern ``^-?P([0-9]+Y)?([0-9]+M)?...$`` accepted ``"-P9"``, bench.grammar_soundness).
+    ``(a[0-9]*b)?``, ``(a{1,}b)?``, ``(ab{2})?`` and ``(a+b)*`` were right."""
+    def repeated_end(alt: str) -> bool:
+        atoms = list(_top_level_atoms(alt))   # a quantifier is an atom of its own: "x*" -> atoms x, *
+        first = re.match(r"\{\d+,\}", alt[atoms[1][0]:]) if len(atoms) >= 2 else None   # "{n," is several atoms
+        return len(atoms) >= 2 and (alt[atoms[1][0]] in "*+" or first is not None
+                                    or alt[atoms[-1][0]] in "*+" or bool(re.search(r"\{\d+,\}$", alt)))
+    return any((p.startswith("?", j) or p.startswith("{0,1}", j)) and any(map(repeated_end, alts))
                for p, j, alts in _groups(pattern))
 
 
@@ -297,8 +299,11 @@ def _dropped_constraints(node: dict, where: str) -> list[str]:
     found = []
     if isinstance(node.get("pattern"), str) and optional_group_starting_optional(node["pattern"]):
         found.append(f"pattern with an optional group that starts with an optional atom at {where}")
-    if isinstance(node.get("pattern"), str) and optional_group_ending_repeated(node["pattern"]):
-        found.append(f"pattern with an optional group that ends with a repeated atom at {where}")
+    if isinstance(node.get("pattern"), str) and optional_group_with_repeated_end(node["pattern"]):
+        found.append(f"pattern with an optional group that starts or ends with a repeated atom at {where}")
+    names = node.get("properties")
+    if isinstance(names, dict) and any('\\' in k or '"' in k or any(ord(c) < 32 for c in k) for k in names):
+        found.append(f"property name JSON escapes at {where}")
     siblings = [k for k in _CONSTRAINTS if k in node]
     for comb in ("anyOf", "oneOf", "allOf", "$ref"):
         if comb in node and siblings:
@@ -378,6 +383,54 @@ _FORMAT_PATTERNS = {"date": f"^{_DATE}$", "date-time": f"^{_DATE}[Tt]{_TIME}$", 
                     "uri-reference": _URI_REFERENCE}
 
 
+# ECMA-262's \s (WhiteSpace and LineTerminator), which JSON Schema's patterns mean: llguidance's
+# regexes read \s as Unicode White_Space, which adds U+0085 and lacks U+FEFF (a grammar sample
+# " bF:ed:C2:ed:De:ff\x85" broke ``^\s*(...)\s*$``, bench.grammar_soundness). xgrammar's \s
+# is ECMA's already.
+_ECMA_SPACE = "\\t\\n\\x0B\\f\\r \u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000\ufeff"
+
+
+def ecma_whitespace(pattern: str) -> str:
+    """``pattern`` with ``\s`` and ``\S`` written as ECMA-262's explicit classes
+    (:data:`_ECMA_SPACE`), for a regex engine whose ``\s`` is Unicode's.
+
+    Raises:
+        ValueError: ``\S`` inside a character class (no explicit class can be inlined there).
+    """
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern):
+            e = pattern[i + 1]
+            if e == "s":
+                out.append(_ECMA_SPACE if in_class else f"[{_ECMA_SPACE}]")
+            elif e == "S" and not in_class:
+                out.append(f"[^{_ECMA_SPACE}]")
+            elif e == "S":
+                raise ValueError(f"pattern {pattern[:80]!r}: \\S inside a character class (llguidance reads \\s "
+                                 "as Unicode whitespace, not ECMA-262's)")
+            else:
+                out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if c == "[" and not in_class:
+            in_class = True
+            out.append(c)
+            if pattern.startswith("^", i + 1):   # a leading ^ or ] is part of the class syntax
+                out.append("^")
+                i += 1
+            if pattern.startswith("]", i + 1):
+                out.append("]")
+                i += 1
+        elif c == "]" and in_class:
+            in_class = False
+            out.append(c)
+        else:
+            out.append(c)
+        i += 1
+    return "".join(out)
+
+
 def _llguidance_schema(schema: Any, strict: bool) -> Any:
     """A copy of ``schema`` for llguidance: each ``oneOf`` as an exact ``anyOf`` where its
     members' overlaps can be negated in keywords llguidance enforces
@@ -408,6 +461,11 @@ def _llguidance_schema(schema: Any, strict: bool) -> Any:
     from replicas.schema_oneof import rewrite_one_of
     for node in [n for n, _ in _walk(schema) if isinstance(n.get("oneOf"), list)]:
         rewrite_one_of(node, schema)   # exact anyOf where it can be written (else llguidance decides)
+    for node, _ in _walk(schema):   # last: the rewrites above write patterns too
+        if isinstance(node.get("pattern"), str) and "\\" in node["pattern"]:
+            node["pattern"] = ecma_whitespace(node["pattern"])
+        if isinstance(node.get("patternProperties"), dict):
+            node["patternProperties"] = {ecma_whitespace(k): v for k, v in node["patternProperties"].items()}
     return schema
 
 
@@ -511,7 +569,7 @@ def backend_for(spec: GrammarSpec) -> str:
     if spec.kind == "lark":
         return "llguidance"   # its native syntax (xgrammar's from_lark takes a subset)
     if spec.kind == "regex" and (_LOOKAROUND.search(spec.value) or optional_group_starting_optional(spec.value)
-                                 or optional_group_ending_repeated(spec.value)):
+                                 or optional_group_with_repeated_end(spec.value)):
         return "llguidance"   # xgrammar ignores look-around and mis-compiles such groups; llguidance refuses look-around
     return "xgrammar"
 

@@ -171,8 +171,14 @@ MOVED_TO_LLGUIDANCE = [
     ({"type": "string", "enum": ["a", 1]}, "outside type string", '"a"', '1'),
     ({"type": "string", "pattern": "^v(?:\\s*\\+json)?$"}, "optional group that starts with an optional atom",
      '"v +json"', '"v "'),
-    ({"type": "string", "pattern": "^([ZB][1-9][0-9]*)?K[1-9][0-9]*$"}, "optional group that ends with a repeated atom",
+    ({"type": "string", "pattern": "^([ZB][1-9][0-9]*)?K[1-9][0-9]*$"}, "optional group that starts or ends with a repeated atom",
      '"Z1K1"', '"434602470600400302K144"'),   # a grammar sample of xgrammar's (bench.grammar_soundness)
+    ({"type": "string", "pattern": "^-?P([0-9]+Y)?([0-9]+M)?([0-9]+D)?(T([0-9]+H)?([0-9]+M)?([0-9]+S)?)?$"},
+     "optional group that starts or ends with a repeated atom", '"P1Y2DT3H"', '"-P9"'),   # JSONSchemaBench's ISO 8601 duration
+    # a property named like a pattern: xgrammar took the key as any other (its schema unchecked)
+    ({"type": "object", "properties": {"^\\w+$": {"type": "object", "properties": {"col": {"type": "number"}},
+                                                 "required": ["col"]}}},
+     "property name JSON escapes", '{"^\\\\w+$": {"col": 1}}', '{"^\\\\w+$": {}}'),
     ({"type": "object", "properties": {"a": {}, "b": {}}, "dependentRequired": {"a": ["b"]}},
      "dependentRequired at $", '{"a": 1, "b": 2}', '{"a": 1}'),
     ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "properties": {"a": {}, "c": {}},
@@ -502,10 +508,12 @@ def test_optional_group_detector():
                                   r"^(?:[a-z\d][\w!#$&^.-]+)+$"))
 
 
-def test_optional_group_ending_repeated_detector():
-    from replicas.grammar import optional_group_ending_repeated as f
-    assert all(f(p) for p in (r"^(ab*)?c$", r"^([ZB][1-9][0-9]*)?K[1-9][0-9]*$", r"^(a|b[0-9]*)?K$", r"^(ab{2,})?c$"))
-    assert not any(f(p) for p in (r"^(a[0-9]*b)?c$", r"^(ab{2})?c$", r"^x(ab*)*c$", r"^(\d{1,3}x)?$", r"^(ab)?c$"))
+def test_optional_group_with_repeated_end_detector():
+    from replicas.grammar import optional_group_with_repeated_end as f
+    assert all(f(p) for p in (r"^(ab*)?c$", r"^([ZB][1-9][0-9]*)?K[1-9][0-9]*$", r"^(a|b[0-9]*)?K$", r"^(ab{2,})?c$",
+                              r"^x(a+b)?$", r"^-?P([0-9]+Y)?([0-9]+M)?([0-9]+D)?(T([0-9]+H)?([0-9]+M)?([0-9]+S)?)?$"))
+    assert not any(f(p) for p in (r"^(a[0-9]*b)?c$", r"^(ab{2})?c$", r"^x(ab*)*c$", r"^(\d{1,3}x)?$", r"^(ab)?c$",
+                                  r"^x(a+b)*$"))
 
 
 def test_pattern_optional_group_really_breaks_in_xgrammar(engine):
@@ -518,3 +526,23 @@ def test_pattern_optional_group_really_breaks_in_xgrammar(engine):
     m = xgr.GrammarMatcher(c.compile_json_schema(_json.dumps({"type": "string", "pattern": "^v(x*j)?$"}),
                                                  any_whitespace=False))
     assert m.accept_string('"vx"') and (m.is_terminated() or m.accept_token(engine.tokenizer.eos_token_id))
+
+
+def test_pattern_whitespace_is_ecma_262s_on_both_backends(engine):
+    """JSON Schema's ``\\s`` is ECMA-262's: U+FEFF and U+00A0 match, U+0085 does not (llguidance's
+    own ``\\s`` is Unicode White_Space: a grammar sample ending in U+0085 broke ``^\\s*...\\s*$``).
+    Raw characters, as the model writes them."""
+    from replicas.grammar import GrammarSpec
+    spec = GrammarSpec("json_schema", {"type": "string", "pattern": "^\\s*a\\S$"})
+    assert engine.grammar.backend_of(spec) == "llguidance"   # (xgrammar's \\s is ECMA's already)
+    for text, ok in (('"\ufeffab"', True), ('"\u00a0 \u2028ab"', True), ('"ab"', True), ('"\u0085ab"', False),
+                     ('"a\u00a0"', False), ('"a\ufeff"', False)):
+        assert _accepts(engine.grammar.matcher(spec), engine.tokenizer, text) == ok, text
+
+
+def test_ecma_whitespace_rewrite():
+    from replicas.grammar import _ECMA_SPACE, ecma_whitespace as f
+    assert f(r"^\s+x\S$") == f"^[{_ECMA_SPACE}]+x[^{_ECMA_SPACE}]$"
+    assert f(r"[\s\d]") == f"[{_ECMA_SPACE}\\d]" and f(r"\\s") == r"\\s" and f(r"[]\s]") == f"[]{_ECMA_SPACE}]"
+    with pytest.raises(ValueError, match="inside a character class"):
+        f(r"[\S]")
