@@ -405,7 +405,12 @@ class LLMEngine:
             tokens = sample(logits, seqs, self.generator)
         for row, i in enumerate(want):
             self._record_logprob(seqs[i], raw[row], tokens[i])
-        return [self._postprocess(s, t) for s, t in zip(seqs, tokens)]
+        rows = self.kv.seqs   # KV bytes each holds, in one gather (-1: preempted in this step, holds none)
+        idx = [rows.get(s.request_id, -1) for s in seqs]
+        held = self.kv.blocks.row_bytes[torch.tensor(idx)].tolist()
+        if -1 in idx:
+            held = [None if i < 0 else h for i, h in zip(idx, held)]
+        return [self._postprocess(s, t, h) for s, t, h in zip(seqs, tokens, held)]
 
     @staticmethod
     def _record_logprob(seq: Sequence, logprobs: torch.Tensor, token: int) -> None:
@@ -523,7 +528,8 @@ class LLMEngine:
             return [], None, {}
         self._enforce_budget(done)
         logits = torch.cat(rows)
-        kept = [i for i, s in enumerate(done) if s.request_id in kv.seqs]   # not preempted by it
+        row_of = kv.seqs
+        kept = [i for i, s in enumerate(done) if s.request_id in row_of]   # not preempted by it
         if len(kept) < len(done):
             drawn = {j: drawn[i] for j, i in enumerate(kept) if i in drawn}
             return [done[i] for i in kept], (logits[kept] if kept else None), drawn
@@ -550,9 +556,10 @@ class LLMEngine:
         if not seqs:
             return
         kv = self.kv
-        rows = torch.tensor([kv.row(s.request_id) for s in seqs], dtype=torch.int64)
+        row_of, bs = kv.seqs, kv.cfg.block_size
+        rows = torch.tensor([row_of[s.request_id] for s in seqs], dtype=torch.int64)
         budgets = torch.tensor([s.kv_budget for s in seqs], dtype=torch.float64)
-        pages = torch.tensor([-(-s.num_tokens // kv.cfg.block_size) for s in seqs], dtype=torch.float64)
+        pages = torch.tensor([-(-s.num_tokens // bs) for s in seqs], dtype=torch.float64)
         allowed = budgets * (kv.cfg.num_layers * kv.page_cost(Precision.HIGH)) * pages
         over = (budgets < 1.0) & (kv.blocks.row_bytes[rows].double() > allowed + 1e-6)
         for i in over.nonzero().flatten().tolist():
@@ -580,21 +587,26 @@ class LLMEngine:
             kv.set_precision(rid, layer, oldest, Precision.RELEASED)
 
     def grammar_mask(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        if any(s.matcher is not None for s in seqs):
+        if any([s.matcher is not None for s in seqs]):   # (a list: one call, not one per row)
             self.grammar.apply_bitmask(logits, [s.matcher for s in seqs])
 
-    def _postprocess(self, seq: Sequence, token: int) -> RequestOutput:
-        m, now = seq.metrics, time.monotonic()
-        m.first_token_s = m.first_token_s or now
-        if seq.request_id in self.kv.seqs:   # (a sequence preempted in this step holds nothing)
-            held = self.kv.sequence_bytes(seq.request_id)
-            m.kv_bytes_peak = max(m.kv_bytes_peak, held)
-            ratio = held / self.kv.full_kv_bytes(seq.num_tokens)
-            m.kv_ratio_sum, m.kv_ratio_max, m.num_steps = m.kv_ratio_sum + ratio, max(m.kv_ratio_max, ratio), m.num_steps + 1
+    def _postprocess(self, seq: Sequence, token: int, held: int | None) -> RequestOutput:
+        """Append the sampled ``token`` to ``seq`` (which holds ``held`` KV bytes after the step;
+        None: preempted in it), check its stop conditions and return its output."""
+        m, n = seq.metrics, seq.num_tokens
+        m.first_token_s = m.first_token_s or time.monotonic()
+        if held is not None:
+            if held > m.kv_bytes_peak:
+                m.kv_bytes_peak = held
+            ratio = held / self.kv.full_kv_bytes(n)
+            m.kv_ratio_sum, m.num_steps = m.kv_ratio_sum + ratio, m.num_steps + 1
+            if ratio > m.kv_ratio_max:
+                m.kv_ratio_max = ratio
         seq.output_token_ids.append(token)
+        n += 1
         tagger = seq.policy_state.get("tagger")
         if tagger is not None:  # PASK: the token's structural bucket, used when its KV is stored
-            seq.policy_state.setdefault("tags", {})[seq.num_tokens - 1] = bucket_of(tagger.feed(self._token_text[token]))
+            seq.policy_state.setdefault("tags", {})[n - 1] = bucket_of(tagger.feed(self._token_text[token]))
         p = seq.params
         if seq.matcher is not None and not seq.matcher.is_terminated():
             seq.matcher.accept_token(token)
@@ -604,7 +616,7 @@ class LLMEngine:
             seq.text += seq.detokenizer.add(token)   # a stop token is not part of the text unless asked for (vLLM)
         # Only where a stop string could end in the new text (the text before was searched).
         hits = [(i, len(s)) for i, s in ((seq.text.find(s, max(0, searched - len(s) + 1)), s) for s in p.stop)
-                if i >= 0] if len(seq.text) > searched else []
+                if i >= 0] if p.stop and len(seq.text) > searched else []
         if hits:
             at, length = min(hits)
             seq.text = seq.text[: at + length if p.include_stop_str_in_output else at]
@@ -613,7 +625,7 @@ class LLMEngine:
         reason = None
         if stop_token or (seq.matcher is not None and seq.matcher.is_terminated()):
             reason = "stop"
-        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif len(seq.output_token_ids) >= p.max_tokens or n >= self.max_model_len:
             reason = "length"
         if reason:
             seq.text = seq.detokenizer.flush()   # with a character cut off by the end, if any

@@ -391,43 +391,53 @@ _ECMA_SPACE = "\\t\\n\\x0B\\f\\r \u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u20
 
 
 def ecma_whitespace(pattern: str) -> str:
-    """``pattern`` with ``\s`` and ``\S`` written as ECMA-262's explicit classes
-    (:data:`_ECMA_SPACE`), for a regex engine whose ``\s`` is Unicode's.
+    """``pattern`` with ``\\s`` and ``\\S`` written as ECMA-262's explicit classes
+    (:data:`_ECMA_SPACE`), for a regex engine whose ``\\s`` is Unicode's. In a class, ``\\s``
+    is inlined; ``[...\\S...]`` becomes ``(?:[...]|[^ws])``.
 
     Raises:
-        ValueError: ``\S`` inside a character class (no explicit class can be inlined there).
+        ValueError: ``\\S`` inside a negated class (``[^\\S...]``: no regex without look-around
+            writes it).
     """
-    out, i, in_class = [], 0, False
-    while i < len(pattern):
+    out, i, n = [], 0, len(pattern)
+    while i < n:
         c = pattern[i]
-        if c == "\\" and i + 1 < len(pattern):
+        if c == "\\" and i + 1 < n:
             e = pattern[i + 1]
-            if e == "s":
-                out.append(_ECMA_SPACE if in_class else f"[{_ECMA_SPACE}]")
-            elif e == "S" and not in_class:
-                out.append(f"[^{_ECMA_SPACE}]")
-            elif e == "S":
-                raise ValueError(f"pattern {pattern[:80]!r}: \\S inside a character class (llguidance reads \\s "
-                                 "as Unicode whitespace, not ECMA-262's)")
-            else:
-                out.append(pattern[i:i + 2])
+            out.append(f"[{_ECMA_SPACE}]" if e == "s" else f"[^{_ECMA_SPACE}]" if e == "S" else pattern[i:i + 2])
             i += 2
             continue
-        if c == "[" and not in_class:
-            in_class = True
+        if c != "[":
             out.append(c)
-            if pattern.startswith("^", i + 1):   # a leading ^ or ] is part of the class syntax
-                out.append("^")
-                i += 1
-            if pattern.startswith("]", i + 1):
-                out.append("]")
-                i += 1
-        elif c == "]" and in_class:
-            in_class = False
-            out.append(c)
-        else:
-            out.append(c)
-        i += 1
+            i += 1
+            continue
+        j, negated, body, non_space = i + 1, False, [], False   # a class: up to its closing ]
+        if pattern.startswith("^", j):
+            negated, j = True, j + 1
+        if pattern.startswith("]", j):   # a leading ] is a member
+            body.append("]")
+            j += 1
+        while j < n and pattern[j] != "]":
+            if pattern[j] == "\\" and j + 1 < n:
+                e = pattern[j + 1]
+                if e == "s":
+                    body.append(_ECMA_SPACE)
+                elif e == "S":
+                    non_space = True
+                else:
+                    body.append(pattern[j:j + 2])
+                j += 2
+            else:
+                body.append(pattern[j])
+                j += 1
+        cls = "[" + ("^" if negated else "") + "".join(body) + "]"
+        if non_space and negated:
+            raise ValueError(f"pattern {pattern[:80]!r}: \\S inside a negated character class (llguidance reads "
+                             "\\s as Unicode whitespace, not ECMA-262's)")
+        if non_space:
+            cls = f"(?:{cls}|[^{_ECMA_SPACE}])" if body else f"[^{_ECMA_SPACE}]"
+        out.append(cls)
+        i = j + 1
     return "".join(out)
 
 

@@ -129,6 +129,7 @@ class DecodePlan:
             attends to its own key and value at full precision (they are in hand), as it would
             have before being demoted, and is stored quantized (or not at all) for later steps.
         any_self: per layer, whether any row is in ``self_rows``.
+        positions: ``[B]`` int64 (host) position of each row's new token.
         capturable: attend with the graph-capturable kernel where the reference runs (no value read
             back to the host; ``torch.compile(fullgraph=True)`` / CUDA graphs).
     """
@@ -139,6 +140,7 @@ class DecodePlan:
     active: dict[Precision, list[bool]] = field(default_factory=dict)
     self_rows: torch.Tensor | None = None
     any_self: list[bool] | None = None
+    positions: torch.Tensor | None = None
     capturable: bool = False
 
 
@@ -506,10 +508,11 @@ class KVCache:
             ValueError: a position not new, or past ``max_model_len``.
         """
         rows = torch.tensor([self.blocks.rows[s] for s in seq_ids], dtype=torch.int64)
-        mapping = self.blocks.append_batch(rows, positions.to(torch.int64).cpu(), targets)
+        positions = positions.to(torch.int64).cpu()
+        mapping = self.blocks.append_batch(rows, positions, targets)
         for p in mapping:
             self._zero_fresh(p)
-        plan = DecodePlan(rows, {p: m.to(self.device) for p, m in mapping.items()})
+        plan = DecodePlan(rows, {p: m.to(self.device) for p, m in mapping.items()}, positions=positions)
         if targets is not None and bool((targets != int(Precision.HIGH)).any()):
             self_rows = (targets != int(Precision.HIGH)).t().contiguous()          # [L, B]
             plan.self_rows, plan.any_self = self_rows.to(self.device), self_rows.any(1).tolist()

@@ -75,15 +75,15 @@ class ModelRunner:
         nd = len(seqs)
         sizes = [len(c.token_ids) for c in chunks]
         ids = [s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1] for s in seqs]
+        decode_positions = (plan.positions if plan is not None and plan.positions is not None
+                            else torch.tensor([s.num_tokens - 1 for s in seqs], dtype=torch.long))
         if nd and not chunks and not record_queries and self.graph is not None and self.graph.supports(plan):
             logits = self.graph(torch.tensor(ids, dtype=torch.long, device=self.device),
-                                torch.tensor([s.num_tokens - 1 for s in seqs], dtype=torch.long,
-                                             device=self.device), plan)
+                                decode_positions.to(self.device), plan)
             if logits is not None:
                 return logits, {}, []
         ids += [t for c in chunks for t in c.token_ids]
-        positions = torch.cat([torch.tensor([s.num_tokens - 1 for s in seqs], dtype=torch.long)]
-                              + [torch.arange(c.start, c.start + n) for c, n in zip(chunks, sizes)])
+        positions = torch.cat([decode_positions] + [torch.arange(c.start, c.start + n) for c, n in zip(chunks, sizes)])
         bounds = [nd]
         for n in sizes:
             bounds.append(bounds[-1] + n)

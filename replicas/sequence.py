@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import enum
 import time
 from dataclasses import dataclass, field
@@ -46,6 +45,13 @@ class RequestMetrics:
     num_forced_tokens: int = 0   # output tokens appended by jump-forward (no decode step of their own)
     num_draft_tokens: int = 0    # tokens jump-forward drafted (forced tokens: those the model then sampled)
     num_cached_tokens: int = 0   # prompt tokens taken from the prefix cache (at the last admission)
+
+    def snapshot(self) -> "RequestMetrics":
+        """A copy (what ``copy.copy`` gives, in three calls instead of about twelve: it runs
+        for every sequence on every step)."""
+        out = object.__new__(RequestMetrics)
+        out.__dict__.update(self.__dict__)
+        return out
 
     @property
     def kv_ratio_mean(self) -> float:
@@ -139,7 +145,7 @@ class RequestOutput:
         seq.sent_tokens = n
         lps = seq.logprobs
         return cls(seq.request_id, new_text, seq.output_token_ids[k:], done, seq.finish_reason,
-                   len(seq.prompt_token_ids), n, copy.copy(seq.metrics),
+                   len(seq.prompt_token_ids), n, seq.metrics.snapshot(),
                    None if lps is None else lps[k:],
                    text if done else None, list(seq.output_token_ids) if done else None,
                    None if lps is None or not done else list(lps))

@@ -544,5 +544,9 @@ def test_ecma_whitespace_rewrite():
     from replicas.grammar import _ECMA_SPACE, ecma_whitespace as f
     assert f(r"^\s+x\S$") == f"^[{_ECMA_SPACE}]+x[^{_ECMA_SPACE}]$"
     assert f(r"[\s\d]") == f"[{_ECMA_SPACE}\\d]" and f(r"\\s") == r"\\s" and f(r"[]\s]") == f"[]{_ECMA_SPACE}]"
-    with pytest.raises(ValueError, match="inside a character class"):
-        f(r"[\S]")
+    assert f(r"[\S]") == f"[^{_ECMA_SPACE}]" and f(r"[a\S]") == f"(?:[a]|[^{_ECMA_SPACE}])"
+    with pytest.raises(ValueError, match="inside a negated character class"):
+        f(r"[^\S]")
+    import re   # the rewrite means the same as ECMA-262 on characters both agree on
+    for p, x in ((r"^[a\S]+$", "ab"), (r"^[a\S]+$", "a b"), (r"^\S[\s,]$", "x,"), (r"^\S[\s,]$", "x\ufeff")):
+        assert bool(re.search(f(p), x)) == (x not in ("a b",)), (p, x)
