@@ -29,13 +29,11 @@ decode queries (H2O, SnapKV-style scores), tensor parallelism, a batch above ``m
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
-import kernels
 from kernels import kv_store
-from replicas.kv_cache import DecodePlan, KVCache
+from replicas.kv_cache import DecodePlan, KVCache, attend_pools
 from replicas.precision import Precision
 
 logger = logging.getLogger(__name__)
@@ -87,24 +85,10 @@ class DecodeGraph:
         kv, pools = self.kv, [self.kv.pools[p] for p in self.precisions]
 
         def attention(layer, q, k, v):
-            outs, lses = [], []
             for i, pool in enumerate(pools):
                 kv_store.store_slots(pool.k, pool.v, pool.k_scale, pool.v_scale, slots[i, layer], k, v, pool.bits)
-            for i, pool in enumerate(pools):
-                out, lse = kernels.paged_decode_attention(q, pool.k, pool.v, pool.k_scale, pool.v_scale,
-                                                          tables[i][layer], lens[i, layer], pool.bits,
-                                                          need_lse=True, static=True)
-                outs.append(out)
-                lses.append(lse)
-            if self.with_self:   # one key each: the output is the value, the log-sum-exp the scaled score
-                g = q.shape[1] // k.shape[1]
-                kr, vr = k.float().repeat_interleave(g, 1), v.float().repeat_interleave(g, 1)
-                lse = ((q.float() * kr).sum(-1) / math.sqrt(q.shape[-1])).masked_fill(
-                    ~self_rows[layer][:, None], float("-inf"))
-                outs.append(vr)
-                lses.append(lse)
-            merged = outs[0] if len(outs) == 1 else kernels.merge_attention_states(outs, lses)
-            return merged.to(q.dtype)
+            return attend_pools(q, pools, [t[layer] for t in tables], [lens[i, layer] for i in range(len(pools))],
+                                (k, v, self_rows[layer]) if self.with_self else None, static=True)
 
         return self.model.logits(self.model(ids, positions, attention))
 

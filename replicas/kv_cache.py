@@ -88,6 +88,36 @@ def page_bytes(cfg: KVCacheConfig, precision: Precision) -> int:
     return bs * (2 * h * data_dim * elem + (2 * h * 4 if bits else 0) + 4)
 
 
+def attend_pools(q: torch.Tensor, pools: list, tables: list, lens: list, new_kv: tuple | None = None,
+                 sm_scale: float | None = None, static: bool = False) -> torch.Tensor:
+    """Decode attention of ``q [B, Hq, D]`` over paged pools, merged exactly by log-sum-exp
+    (one call per pool, no per-row or per-layer Python).
+
+    ``pools[i]`` is a pool (``k, v, k_scale, v_scale, bits``) read through ``tables[i] [B, W]``
+    int32 page ids with ``lens[i] [B]`` int32 context lengths. ``new_kv = (k, v, rows)`` adds the
+    step's own tokens ``k, v [B, Hkv, D]`` at full precision for the rows where ``rows [B]`` bool
+    is set (tokens stored below HIGH, or not stored). ``static``: the fixed-shape kernel path a
+    compiled or captured graph needs. Returns ``[B, Hq, D]`` in q's dtype. The eager
+    :meth:`KVCache.attend` and the compiled decode graph both call this.
+    """
+    n = len(pools) + (new_kv is not None)
+    outs, lses = [], []
+    for pool, table, ln in zip(pools, tables, lens):
+        out, lse = kernels.paged_decode_attention(q, pool.k, pool.v, pool.k_scale, pool.v_scale, table, ln,
+                                                  pool.bits, sm_scale, need_lse=n > 1, static=static)
+        outs.append(out)
+        lses.append(lse)
+    if new_kv is not None:   # one key each: the output is the value, the log-sum-exp the scaled score
+        k, v, rows = new_kv
+        g = q.shape[1] // k.shape[1]
+        kr, vr = k.float().repeat_interleave(g, 1), v.float().repeat_interleave(g, 1)
+        scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        outs.append(vr)
+        lses.append(((q.float() * kr).sum(-1) * scale).masked_fill(~rows[:, None], float("-inf")))
+    merged = outs[0] if len(outs) == 1 else kernels.merge_attention_states(outs, lses)
+    return merged.to(q.dtype)
+
+
 class _Pool:
     """Device tensors of one precision, ``[pages, block_size, Hkv, Dk]``, allocated once."""
 
@@ -563,24 +593,9 @@ class KVCache:
                 q, [(self.pools[p].k, self.pools[p].v, self.pools[p].k_scale, self.pools[p].v_scale,
                      plan.block_tables[p][layer], plan.context_lens[p][layer], self.pools[p].bits) for p in pools],
                 (k, v, plan.self_rows[layer]) if with_self else None, sm_scale).to(q.dtype)
-        outs, lses = [], []
-        for p in pools:
-            pool = self.pools[p]
-            out, lse = kernels.paged_decode_attention(
-                q, pool.k, pool.v, pool.k_scale, pool.v_scale, plan.block_tables[p][layer],
-                plan.context_lens[p][layer], pool.bits, sm_scale, need_lse=len(pools) + with_self > 1,
-                static=plan.capturable)
-            outs.append(out)
-            lses.append(lse)
-        if with_self:   # one key each: the output is the value, the log-sum-exp the scaled score
-            g = q.shape[1] // k.shape[1]
-            kr, vr = k.float().repeat_interleave(g, 1), v.float().repeat_interleave(g, 1)
-            scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-            lse = ((q.float() * kr).sum(-1) * scale).masked_fill(~plan.self_rows[layer][:, None], float("-inf"))
-            outs.append(vr)
-            lses.append(lse)
-        merged = outs[0] if len(outs) == 1 else kernels.merge_attention_states(outs, lses)
-        return merged.to(q.dtype)
+        return attend_pools(q, [self.pools[p] for p in pools], [plan.block_tables[p][layer] for p in pools],
+                            [plan.context_lens[p][layer] for p in pools],
+                            (k, v, plan.self_rows[layer]) if with_self else None, sm_scale, static=plan.capturable)
 
     # ------------------------------------------------------------------ per-layer conveniences
     def append_decode(self, seq_ids: list, layer: int, positions: list[int], k: torch.Tensor,

@@ -37,16 +37,22 @@ def _forward(eng, plan):
     return forward
 
 
+def _plan(eng, targets, seqs=None, advance=0):
+    """A decode plan over ``seqs`` (default: every running sequence) with the new tokens'
+    ``targets [B, L]`` precisions, at each sequence's last position plus ``advance``; returns
+    ``(plan, ids, positions)``."""
+    seqs = list(eng.scheduler.running) if seqs is None else seqs
+    positions = torch.tensor([s.num_tokens - 1 + advance for s in seqs])
+    plan = eng.kv.plan_decode([s.request_id for s in seqs], positions, torch.tensor([[int(p) for p in row] for row in targets]))
+    return plan, torch.tensor([s.output_token_ids[-1] for s in seqs]), positions
+
+
 def test_decode_forward_compiles_fullgraph_and_equals_eager(decoding):
     eng = decoding
-    seqs = list(eng.scheduler.running)
-    positions = torch.tensor([s.num_tokens - 1 for s in seqs])
+    H, I8, I4 = Precision.HIGH, Precision.INT8, Precision.INT4
     # New tokens at every precision, one not stored at all (it still attends to itself).
-    targets = torch.tensor([[int(Precision.HIGH), int(Precision.INT8)], [int(Precision.INT4), int(Precision.HIGH)],
-                            [int(Precision.RELEASED), int(Precision.INT8)]])
-    plan = eng.kv.plan_decode([s.request_id for s in seqs], positions, targets)
+    plan, ids, positions = _plan(eng, [[H, I8], [I4, H], [Precision.RELEASED, I8]])
     plan.capturable = True
-    ids = torch.tensor([s.output_token_ids[-1] for s in seqs])
     forward = _forward(eng, plan)    # stores the same values each call: idempotent
     with torch.no_grad():
         eager = forward(ids, positions)
@@ -72,12 +78,8 @@ def test_inductor_writes_the_pools_in_place(decoding):
     copy of every pool on every call: ``kernels.kv_store``). The values written and the logits
     equal eager's."""
     eng = decoding
-    seqs = list(eng.scheduler.running)
-    positions = torch.tensor([s.num_tokens - 1 for s in seqs])
-    targets = torch.tensor([[int(Precision.HIGH), int(Precision.INT8)], [int(Precision.INT4), int(Precision.HIGH)],
-                            [int(Precision.INT8), int(Precision.INT8)]])
-    plan = eng.kv.plan_decode([s.request_id for s in seqs], positions, targets)
-    ids = torch.tensor([s.output_token_ids[-1] for s in seqs])
+    H, I8, I4 = Precision.HIGH, Precision.INT8, Precision.INT4
+    plan, ids, positions = _plan(eng, [[H, I8], [I4, H], [I8, I8]])
     pools = [eng.kv.pools[p] for p in (Precision.HIGH, Precision.INT8, Precision.INT4)]
 
     def written():
@@ -118,9 +120,7 @@ def test_decode_graph_equals_eager_over_every_pool(decoding):
     for batch, targets in ((seqs, [[int(Precision.HIGH), int(Precision.INT8)], [int(Precision.INT4), int(Precision.RELEASED)],
                                    [int(Precision.INT8), int(Precision.INT8)]]),
                            (seqs[:1], [[int(Precision.INT4), int(Precision.HIGH)]])):
-        positions = torch.tensor([s.num_tokens for s in batch])   # a new position: placed now
-        plan = eng.kv.plan_decode([s.request_id for s in batch], positions, torch.tensor(targets))
-        ids = torch.tensor([s.output_token_ids[-1] for s in batch])
+        plan, ids, positions = _plan(eng, targets, batch, advance=1)   # a new position: placed now
         assert graph.supports(plan)
         with torch.no_grad():
             eager = _forward(eng, plan)(ids, positions)
