@@ -70,8 +70,11 @@ class DecodeGraph:
             for p in self.precisions:
                 for t in kv.pools[p].tensors():
                     torch._dynamo.mark_static_address(t)
-        self._compiled = torch.compile(self._forward, fullgraph=True, dynamic=True,
-                                       mode="reduce-overhead" if self.cuda else None)
+        if self.cuda:
+            self._compiled = torch.compile(self._forward, fullgraph=True, dynamic=True, mode="reduce-overhead")
+        else:   # the C++ wrapper: the whole forward is one call from Python, no call per layer or buffer
+            self._compiled = torch.compile(self._forward, fullgraph=True, dynamic=True,
+                                           options={"cpp_wrapper": True})
 
     def supports(self, plan: DecodePlan) -> bool:
         """Whether this step can run through the graph: every pool it reads or writes is one the

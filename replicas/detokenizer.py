@@ -71,7 +71,9 @@ class IncrementalDetokenizer:
         if decode is None and token_bytes is None:
             raise ValueError("IncrementalDetokenizer needs decode or token_bytes")
         self._decode, self._bytes = decode, token_bytes
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if token_bytes is not None else None
+        # The bytes of an incomplete last character (what ``codecs``' incremental UTF-8 decoder
+        # buffers; the same rule, one call a token instead of two).
+        self._pending = b"" if token_bytes is not None else None
         self._ids: list[int] = []
         self._prefix = 0   # ids[prefix:read] were decoded last time: context for the next tail
         self._read = 0     # ids before this one are in ``text``
@@ -80,8 +82,10 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one id; returns the text it completed (may be empty, or hold earlier held-back
         bytes too)."""
-        if self._utf8 is not None:
-            delta = self._utf8.decode(self._bytes[token_id])
+        if self._pending is not None:
+            data = self._pending + self._bytes[token_id]
+            delta, used = codecs.utf_8_decode(data, "replace", False)
+            self._pending = data[used:]
             self.text += delta
             return delta
         self._ids.append(token_id)
@@ -97,8 +101,9 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """The full decode of every id added (an incomplete last character included, as U+FFFD);
         the ``text`` before is a prefix of it."""
-        if self._utf8 is not None:
-            self.text += self._utf8.decode(b"", final=True)
+        if self._pending is not None:
+            self.text += codecs.utf_8_decode(self._pending, "replace", True)[0]
+            self._pending = b""
         else:
             self.text = self._decode(self._ids)
         return self.text

@@ -387,7 +387,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        seqs, logits, drawn = self._forward(sched.decode, sched.prefill)
+        seqs, logits, drawn, lengths = self._forward(sched.decode, sched.prefill)
         if not seqs:
             return []
         want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
@@ -405,12 +405,15 @@ class LLMEngine:
             tokens = sample(logits, seqs, self.generator)
         for row, i in enumerate(want):
             self._record_logprob(seqs[i], raw[row], tokens[i])
-        rows = self.kv.seqs   # KV bytes each holds, in one gather (-1: preempted in this step, holds none)
+        kv = self.kv   # KV bytes each holds and full KV's bytes, for the batch at once
+        rows = kv.seqs   # (-1: preempted in this step, holds none)
         idx = [rows.get(s.request_id, -1) for s in seqs]
-        held = self.kv.blocks.row_bytes[torch.tensor(idx)].tolist()
+        held = kv.blocks.row_bytes[torch.tensor(idx)].tolist()
         if -1 in idx:
             held = [None if i < 0 else h for i, h in zip(idx, held)]
-        return [self._postprocess(s, t, h) for s, t, h in zip(seqs, tokens, held)]
+        bs = kv.cfg.block_size
+        full = torch.tensor(lengths).add_(bs - 1).div_(bs, rounding_mode="floor").mul_(kv.full_kv_bytes(bs)).tolist()
+        return [self._postprocess(*a) for a in zip(seqs, tokens, held, full, lengths)]
 
     @staticmethod
     def _record_logprob(seq: Sequence, logprobs: torch.Tensor, token: int) -> None:
@@ -425,12 +428,12 @@ class LLMEngine:
         seq.logprobs.append(TokenLogprob(token, finite(float(logprobs[token])), top))
 
     def _forward(self, decode: list[Sequence], work: list[PrefillWork]
-                 ) -> tuple[list[Sequence], torch.Tensor | None, dict[int, int]]:
+                 ) -> tuple[list[Sequence], torch.Tensor | None, dict[int, int], list[int]]:
         """One forward over the step's decode batch and prompt chunks; returns the sequences to
         sample (the decode batch, then the prompts completed in this step), their logits
-        ``[n, vocab]`` (None when there are none) and, by index into them, the tokens already
-        drawn (a jump-forward draft verified in this step: the token the model sampled instead
-        of a draft token, ``_verify_draft``).
+        ``[n, vocab]`` (None when there are none), by index into them the tokens already drawn
+        (a jump-forward draft verified in this step: the token the model sampled instead of a
+        draft token, ``_verify_draft``), and their token counts (``num_tokens``, read once).
 
         Decode: the policy picks each new token's precision per layer, the cache places the
         batch (one plan), the policy's evictions are applied in one batched release. Prompts: a
@@ -445,7 +448,8 @@ class LLMEngine:
         plan = None
         if decode:
             targets = self.policy.decode_targets(decode, kv)
-            positions = torch.tensor([s.num_tokens - 1 for s in decode], dtype=torch.int64)
+            lengths = [s.num_tokens for s in decode]
+            positions = torch.tensor(lengths, dtype=torch.int64).sub_(1)
             plan = kv.plan_decode([s.request_id for s in decode], positions, targets)
         w = spec.observation_window
         keep_hidden = min(w, self.max_model_len) + 1 if spec.wants_window_ppl and w else 0
@@ -474,7 +478,7 @@ class LLMEngine:
         except KVCacheOutOfMemory:   # the pool filled mid-forward: the step's sequences recompute later
             for seq in decode + jumps + [item.seq for item in work]:
                 self.scheduler.preempt(seq)
-            return [], None, {}
+            return [], None, {}, []
         if kv.prefix is not None:   # every layer of these chunks is written: their full pages can be shared
             for item in work:
                 kv.cache_prefix(item.seq.request_id, item.seq.all_token_ids, item.end)
@@ -525,15 +529,16 @@ class LLMEngine:
             done.append(seq)
             rows.append(res.logits[None])
         if not done:
-            return [], None, {}
-        self._enforce_budget(done)
+            return [], None, {}, []
+        lengths = (lengths if decode else []) + [s.num_tokens for s in done[len(decode):]]
+        self._enforce_budget(done, lengths)
         logits = torch.cat(rows)
         row_of = kv.seqs
         kept = [i for i, s in enumerate(done) if s.request_id in row_of]   # not preempted by it
         if len(kept) < len(done):
             drawn = {j: drawn[i] for j, i in enumerate(kept) if i in drawn}
-            return [done[i] for i in kept], (logits[kept] if kept else None), drawn
-        return done, logits, drawn
+            return [done[i] for i in kept], (logits[kept] if kept else None), drawn, [lengths[i] for i in kept]
+        return done, logits, drawn, lengths
 
     def _forced_targets(self, seq: Sequence, start: int, end: int) -> torch.Tensor | None:
         """``[end - start, L]`` int64 Precision of ``seq``'s tokens at positions ``start .. end - 1``
@@ -546,7 +551,7 @@ class LLMEngine:
         high = torch.full((self.kv.cfg.num_layers,), int(Precision.HIGH), dtype=torch.int64)
         return torch.stack([high if r is None else r[0] for r in rows])
 
-    def _enforce_budget(self, seqs: list[Sequence]) -> None:
+    def _enforce_budget(self, seqs: list[Sequence], lengths: list[int]) -> None:
         """The engine's guarantee, owned here: bytes held <= budget x full-KV bytes after every
         step. One comparison for the batch; a sequence over it is brought back by its policy
         (``hold_budget``: PASK demotes its table state), then, if still over, has its oldest
@@ -559,7 +564,7 @@ class LLMEngine:
         row_of, bs = kv.seqs, kv.cfg.block_size
         rows = torch.tensor([row_of[s.request_id] for s in seqs], dtype=torch.int64)
         budgets = torch.tensor([s.kv_budget for s in seqs], dtype=torch.float64)
-        pages = torch.tensor([-(-s.num_tokens // bs) for s in seqs], dtype=torch.float64)
+        pages = torch.tensor(lengths, dtype=torch.float64).add_(bs - 1).div_(bs, rounding_mode="floor")
         allowed = budgets * (kv.cfg.num_layers * kv.page_cost(Precision.HIGH)) * pages
         over = (budgets < 1.0) & (kv.blocks.row_bytes[rows].double() > allowed + 1e-6)
         for i in over.nonzero().flatten().tolist():
@@ -590,15 +595,16 @@ class LLMEngine:
         if any([s.matcher is not None for s in seqs]):   # (a list: one call, not one per row)
             self.grammar.apply_bitmask(logits, [s.matcher for s in seqs])
 
-    def _postprocess(self, seq: Sequence, token: int, held: int | None) -> RequestOutput:
-        """Append the sampled ``token`` to ``seq`` (which holds ``held`` KV bytes after the step;
-        None: preempted in it), check its stop conditions and return its output."""
-        m, n = seq.metrics, seq.num_tokens
+    def _postprocess(self, seq: Sequence, token: int, held: int | None, full: int, n: int) -> RequestOutput:
+        """Append the sampled ``token`` to ``seq`` (``n`` tokens before it), which holds ``held``
+        KV bytes after the step (None: preempted in it) where full KV would hold ``full``; check
+        its stop conditions and return its output."""
+        m = seq.metrics
         m.first_token_s = m.first_token_s or time.monotonic()
         if held is not None:
             if held > m.kv_bytes_peak:
                 m.kv_bytes_peak = held
-            ratio = held / self.kv.full_kv_bytes(n)
+            ratio = held / full
             m.kv_ratio_sum, m.num_steps = m.kv_ratio_sum + ratio, m.num_steps + 1
             if ratio > m.kv_ratio_max:
                 m.kv_ratio_max = ratio

@@ -135,7 +135,7 @@ class RequestOutput:
         """The request's news after a step, marked as reported in ``seq``. While it runs with stop
         strings, the text holds back its last ``max(len(stop)) - 1`` characters, which could be the
         start of a stop string (vLLM does the same), so text reported is never taken back."""
-        text, done = seq.text, seq.is_finished
+        text, done = seq.text, seq.status == SequenceStatus.FINISHED
         visible = len(text)
         if seq.params.stop and not done:
             visible = max(0, visible - max(map(len, seq.params.stop)) + 1)
