@@ -65,7 +65,8 @@ _UNENFORCED = ("contains", "minContains", "maxContains", "not", "if", "then", "e
                # patternProperties keys went in untyped or not at all)
                "multipleOf", "dependentRequired", "dependencies", "patternProperties")
 # Formats xgrammar 0.2.9 checks only by shape: "2020-02-31" passed format date (and date-time).
-_XGR_LOOSE_FORMATS = ("date", "date-time", "time")   # time: "23:59:60Z" accepted
+# hostname: a 64-character label accepted (and "A.COM", "a.com." rejected).
+_XGR_LOOSE_FORMATS = ("date", "date-time", "time", "hostname", "host-name")   # time: "23:59:60Z" accepted
 _LOOKAROUND = re.compile(r"\(\?<?[=!]")
 _NOT_SCHEMAS = ("const", "enum", "default", "examples", "description", "title", "$comment")
 _NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
@@ -379,8 +380,15 @@ _HIER = f"//{_AUTHORITY}(/{_PCHAR}*)*|/({_PCHAR}+(/{_PCHAR}*)*)?"
 _URI = f"[A-Za-z][A-Za-z0-9+.-]*:({_HIER}|{_PCHAR}+(/{_PCHAR}*)*)?"
 _RELATIVE = f"({_HIER}|([A-Za-z0-9._~!$&'()*+,;=@-]|{_PCT})+(/{_PCHAR}*)*)?"
 _URI_REFERENCE = f"^({_URI}|{_RELATIVE})(\\?{_QUERY})?(#{_QUERY})?$"
+# A host name as `jsonschema` checks it (the `fqdn` package, one label at least): labels of 1-63
+# letters, digits and hyphens, no hyphen at either end, dot-separated, an optional final dot; the
+# name at most 253 characters (written as a maxLength: a 254-character name ending in a dot is
+# not produced, the only valid ones left out). llguidance 1.9's own rejected the final dot.
+_LABEL = "[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOSTNAME = f"^({_LABEL}\\.)*{_LABEL}\\.?$"
 _FORMAT_PATTERNS = {"date": f"^{_DATE}$", "date-time": f"^{_DATE}[Tt]{_TIME}$", "time": f"^{_TIME}$",
-                    "uri-reference": _URI_REFERENCE}
+                    "uri-reference": _URI_REFERENCE, "hostname": _HOSTNAME, "host-name": _HOSTNAME}
+_FORMAT_MAX_LENGTH = {"hostname": 253, "host-name": 253}
 
 
 # ECMA-262's \s (WhiteSpace and LineTerminator), which JSON Schema's patterns mean: llguidance's
@@ -445,7 +453,7 @@ def _llguidance_schema(schema: Any, strict: bool) -> Any:
     """A copy of ``schema`` for llguidance: each ``oneOf`` as an exact ``anyOf`` where its
     members' overlaps can be negated in keywords llguidance enforces
     (:func:`replicas.schema_oneof.rewrite_one_of`), custom (undefined) formats dropped, ``date`` /
-    ``date-time`` / ``time`` / ``uri-reference`` as exact patterns (:data:`_FORMAT_PATTERNS`,
+    ``date-time`` / ``time`` / ``uri-reference`` / ``hostname`` as exact patterns (:data:`_FORMAT_PATTERNS`,
     where the node has no ``pattern``); with ``strict``,
     no properties beyond those named (``additionalProperties: false`` where absent, except on
     direct ``allOf`` members, which other members may extend) and no items beyond
@@ -460,7 +468,10 @@ def _llguidance_schema(schema: Any, strict: bool) -> Any:
         if isinstance(node.get("format"), str) and node["format"] not in _DEFINED_FORMATS:
             del node["format"]
         if node.get("format") in _FORMAT_PATTERNS and "pattern" not in node:
-            node["pattern"] = _FORMAT_PATTERNS[node.pop("format")]
+            fmt = node.pop("format")
+            node["pattern"] = _FORMAT_PATTERNS[fmt]
+            if fmt in _FORMAT_MAX_LENGTH:
+                node["maxLength"] = min(node.get("maxLength", _FORMAT_MAX_LENGTH[fmt]), _FORMAT_MAX_LENGTH[fmt])
         _rewrite_dependencies(node, legacy)
         if strict and id(node) not in in_allof:
             if ("properties" in node or node.get("type") == "object") and "additionalProperties" not in node:

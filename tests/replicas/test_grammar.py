@@ -161,6 +161,8 @@ MOVED_TO_LLGUIDANCE = [
     ({"type": "object", "properties": {"b": {"type": "string", "pattern": "^a+$", "maxLength": 4}}},
      "pattern with minLength / maxLength at $.properties.b", '{"b": "aaa"}', '{"b": "aaaaa"}'),
     ({"type": "string", "format": "date"}, "format date at $", '"2020-02-28"', '"2020-02-31"'),
+    # xgrammar took a 64-character label (and refused "A.COM" and a final dot: JSONSchemaBench)
+    ({"type": "string", "format": "hostname"}, "format hostname at $", '"A-9.COM."', '"' + "x" * 64 + '.com"'),
     ({"type": "object", "patternProperties": {"^x": {"type": "integer"}}, "additionalProperties": False},
      "patternProperties at $", '{"xa": 1}', '{"xa": "s"}'),
     ({"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["b"]}, "required b not in properties",
