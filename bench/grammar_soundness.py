@@ -27,7 +27,9 @@ Each schema runs in one worker process (one at a time: CPU is shared), bounded b
 seconds of CPU time for generation and matching and ``--timeout-s`` for each compile; per-schema records go
 to a checkpoint (JSONL) so a stopped run resumes where it was. ``--before-ref`` (a git ref) also
 checks the same instances with the backend that ref's rule picks, where it differs (the counts
-before a routing change, measured in the same run).
+before a routing change, measured in the same run). ``--recheck-moved`` runs again the schemas
+whose backend the code now picks differently, ``--recheck-failing`` those with a failure (after a
+fix); a schema's last record counts.
 """
 
 from __future__ import annotations
@@ -448,25 +450,12 @@ class Grammar:
         mark = len(self._pieces)
         if isinstance(x, dict):
             n = self._emit(m, "{")
-            keys = list(x)
-            while n is not None and keys:
-                for k in keys:
-                    key_mark = len(self._pieces)
-                    key = json.dumps(k, ensure_ascii=False).replace("\x7f", "\\u007f")
-                    head = self._emit(m, (", " if len(keys) < len(x) else "") + key + ": ")
-                    if head is None:
-                        continue
-                    body = self._value(m, x[k])
-                    if body is None:
-                        self._undo(m, head, key_mark)
-                        continue
-                    n += head + body
-                    keys.remove(k)
-                    break
-                else:
+            body = None if n is None else self._members(m, x, list(x), [64])
+            if body is None:
+                if n is not None:
                     self._undo(m, n, mark)
-                    return None
-            return self._close(m, n, "}", mark)
+                return None
+            return self._close(m, n + body, "}", mark)
         if isinstance(x, list):
             n = self._emit(m, "[")
             for j, v in enumerate(x):
@@ -484,6 +473,30 @@ class Grammar:
             n = self._emit(m, text)
             if n is not None:
                 return n
+        return None
+
+    def _members(self, m, x: dict, keys: list, budget: list) -> int | None:
+        """Tokens accepted writing the members ``keys`` of ``x`` in some order the matcher takes:
+        a depth-first search over key orders (llguidance writes a union's members' keys in each
+        member's order, so the first key accepted may lead nowhere), at most ``budget[0]`` keys
+        tried in all (None: no order found within it, state as before)."""
+        if not keys:
+            return 0
+        first = len(keys) == len(x)
+        for k in keys:
+            if budget[0] <= 0:
+                return None
+            budget[0] -= 1
+            key_mark = len(self._pieces)
+            key = json.dumps(k, ensure_ascii=False).replace("\x7f", "\\u007f")
+            head = self._emit(m, ("" if first else ", ") + key + ": ")
+            if head is None:
+                continue
+            body = self._value(m, x[k])
+            rest = None if body is None else self._members(m, x, [j for j in keys if j != k], budget)
+            if rest is not None:
+                return head + body + rest
+            self._undo(m, head + (body or 0), key_mark)
         return None
 
     def _close(self, m, n: int | None, char: str, mark: int) -> int | None:
@@ -683,6 +696,8 @@ def run(subsets: list[str] | None, checkpoint: Path, args: dict) -> None:
             done.add((r["subset"], r["i"]))
         if args.get("recheck_moved"):
             done -= _moved(checkpoint)
+        if args.get("recheck_failing"):
+            done -= _failing(checkpoint)
     names = subsets or sorted(p.name.split(".")[0] for p in JSONSCHEMABENCH_DIR.glob("*.jsonl.gz"))
     todo = [p for p in order(names, args["limit"]) if p not in done]
     ctx = mp.get_context("spawn")
@@ -735,6 +750,17 @@ def _moved(checkpoint: Path) -> set:
             if backend_for(_check(GrammarSpec("json_schema", schema))) != r["schema_backend_for"]:
                 moved.add(key)
     return moved
+
+
+def _failing(checkpoint: Path) -> set:
+    """(subset, index) of the records with a valid instance rejected, an invalid one accepted or
+    an invalid grammar sample (to run again after a fix); the last record of a schema counts."""
+    last = {}
+    for line in checkpoint.read_text().splitlines():
+        r = json.loads(line)
+        last[(r["subset"], r["i"])] = r
+    return {k for k, r in last.items()
+            if r.get("valid_rejected") or r.get("invalid_accepted") or r.get("samples_invalid")}
 
 
 @functools.lru_cache(maxsize=None)
@@ -855,13 +881,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--summary-only", action="store_true", help="only summarize the checkpoint")
     ap.add_argument("--recheck-moved", action="store_true",
                     help="run again the checkpoint's schemas whose backend this code picks differently")
+    ap.add_argument("--recheck-failing", action="store_true",
+                    help="run again the checkpoint's schemas with a failure (valid rejected, invalid accepted)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", type=Path)
     a = ap.parse_args(argv)
     if not a.summary_only:
         run(a.subsets, a.checkpoint, {"timeout_s": a.timeout_s, "schema_s": a.schema_s, "valid": a.valid,
                                       "invalid": a.invalid, "samples": a.samples, "limit": a.limit,
-                                      "before_ref": a.before_ref or None, "recheck_moved": a.recheck_moved})
+                                      "before_ref": a.before_ref or None, "recheck_moved": a.recheck_moved,
+                                      "recheck_failing": a.recheck_failing})
     summary = summarize(a.checkpoint)
     print(table(summary))
     print(fix_table(summary))

@@ -103,3 +103,19 @@ def test_jsonschemabench_sample_sound_and_complete(compiler):
             served += 1
             _assert_sound_complete(rec, {"subset": name, "i": i})
     assert served >= 20
+
+
+def test_guided_searches_key_orders(compiler):
+    """A union of objects whose members declare their keys in different orders (llguidance writes
+    each member's keys in its order): the first key the matcher takes may lead nowhere, and the
+    search backs up to another order (a greedy writer called the valid instance rejected;
+    JSONSchemaBench Github_trivial #238)."""
+    tok, gc = compiler
+    member = lambda *names: {"type": "object", "additionalProperties": False,   # noqa: E731
+                             "properties": {n: {"type": "string"} for n in names}}
+    schema = {"anyOf": [member("req"), member("extra", "req")], "required": ["req"]}
+    g = gs.Grammar(gc, tok, schema)
+    assert g.backend == "llguidance"
+    assert not g.accepts('{"req": "a", "extra": "b"}')   # the instance's own order is not writable
+    assert g.guided({"req": "a", "extra": "b"}) == '{"extra": "b", "req": "a"}'
+    assert g.guided({"req": "a", "other": "b"}) is None
