@@ -82,11 +82,15 @@ def prompts(tokenizer, num: int) -> list[list[int]]:
 def count_calls(model: Path, policy: str, budget: float, batch: int, num_layers: int, steps: int,
                 max_prompt_tokens: int = 2048, graph: bool = False) -> dict:
     """Calls per decode step of one engine (every request decoding for all ``steps``); ``graph``:
-    the compiled decode forward (``enforce_eager=False``, compiled in the warm-up steps)."""
+    the compiled decode forward (``enforce_eager=False``, compiled in the warm-up steps), except
+    for a policy that reads each step's queries (H2O: ``record_decode_queries``), which decodes
+    eagerly (``"graph": False`` in the result)."""
     from replicas.config import EngineConfig
     from replicas.engine import LLMEngine
     from replicas.sampling_params import SamplingParams
     name, args = policy_setup(policy, num_layers)
+    from replicas.policies import make_policy
+    graph = graph and not make_policy(name, **args).spec.record_decode_queries
     engine = LLMEngine(EngineConfig(model=str(model), kv_policy=name, kv_policy_args=args,
                                     kv_budget=budget if name != "full" else 1.0, max_num_seqs=batch,
                                     max_model_len=max_prompt_tokens + steps + 64, kv_cache_bytes=256 << 20,
@@ -111,7 +115,7 @@ def count_calls(model: Path, policy: str, budget: float, batch: int, num_layers:
         engine.close()
     if running != batch:
         raise RuntimeError(f"{policy}: {running} of {batch} requests still running after the profiled steps")
-    return {"calls_per_step": total / steps, "batch": batch, "num_layers": num_layers}
+    return {"calls_per_step": total / steps, "batch": batch, "num_layers": num_layers, "graph": graph}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     for policy in args.policies:
         row = {"policy": policy}
         for size, (batch, layers) in SIZES.items():
-            row[size] = count_calls(models[size], policy, args.budget, batch, layers, args.steps,
-                                    graph=args.graph)["calls_per_step"]
+            counted = count_calls(models[size], policy, args.budget, batch, layers, args.steps, graph=args.graph)
+            row[size], row["graph"] = counted["calls_per_step"], counted["graph"]
         rows.append(row)
         print("row " + json.dumps(row), flush=True)
     full = next((r["large"] for r in rows if r["policy"] == "full"), None)
@@ -144,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'policy':<18} {'small (4 x 4L)':>15} {'large (32 x 24L)':>17} {'large/small':>12} {'large/full':>11}")
     for r in rows:
         vs_full = f"{r['large'] / full:.2f}" if full else "-"
-        print(f"{r['policy']:<18} {r['small']:>15.0f} {r['large']:>17.0f} {r['large'] / r['small']:>12.2f} {vs_full:>11}")
+        name = r["policy"] + (" (eager)" if args.graph and not r["graph"] else "")
+        print(f"{name:<18} {r['small']:>15.0f} {r['large']:>17.0f} {r['large'] / r['small']:>12.2f} {vs_full:>11}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
