@@ -115,6 +115,24 @@ def _ecma_pattern_properties(validator, patterns, instance, schema):
                 yield from validator.descend(v, subschema, path=k, schema_path=pattern)
 
 
+def _ecma_additional_properties(validator, additional, instance, schema):
+    """``additionalProperties`` with the keys ``patternProperties`` match read as ECMA-262 does
+    (:func:`_ecma`); ``jsonschema``'s own reads them with Python's Unicode ``\\d`` (a key of
+    Unicode digits counted as matching ``^[A-Fa-f\\d]{24}$``, so it was not additional)."""
+    import re
+
+    from jsonschema.exceptions import ValidationError
+    if not validator.is_type(instance, "object"):
+        return
+    props, patterns = schema.get("properties", {}), [_ecma(p) for p in schema.get("patternProperties", {})]
+    extras = [k for k in instance if k not in props and not any(re.search(p, k, re.ASCII) for p in patterns)]
+    if validator.is_type(additional, "object"):
+        for k in extras:
+            yield from validator.descend(instance[k], additional, path=k)
+    elif not additional and extras:
+        yield ValidationError(f"additional properties {extras[:4]!r} are not allowed")
+
+
 def _decimal_multiple_of(validator, divisor, instance, schema):
     """``multipleOf`` in decimal, as the JSON text reads (``4.35`` is 435 x ``0.01``; in binary
     floating point, as ``jsonschema`` divides, it is not)."""
@@ -134,11 +152,12 @@ def _decimal_multiple_of(validator, divisor, instance, schema):
 
 def validator(schema):
     """A ``jsonschema`` validator for ``schema`` (its ``$schema`` draft, else 2020-12) that checks
-    formats, with ECMA-262's ASCII ``\\w`` / ``\\d`` in ``pattern`` and ``patternProperties``
-    and a decimal ``multipleOf``."""
+    formats, with ECMA-262's ASCII ``\\w`` / ``\\d`` in ``pattern``, ``patternProperties`` and the
+    keys ``additionalProperties`` counts, and a decimal ``multipleOf``."""
     import jsonschema
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     cls = jsonschema.validators.extend(cls, {"pattern": _ecma_pattern, "patternProperties": _ecma_pattern_properties,
+                                             "additionalProperties": _ecma_additional_properties,
                                              "multipleOf": _decimal_multiple_of})
     return cls(schema, format_checker=cls.FORMAT_CHECKER)
 

@@ -119,3 +119,15 @@ def test_guided_searches_key_orders(compiler):
     assert not g.accepts('{"req": "a", "extra": "b"}')   # the instance's own order is not writable
     assert g.guided({"req": "a", "extra": "b"}) == '{"extra": "b", "req": "a"}'
     assert g.guided({"req": "a", "other": "b"}) is None
+
+
+def test_reference_reads_pattern_properties_as_ecma_in_additional_properties():
+    """The reference validator reads ``\\d`` as ECMA-262 (ASCII) in the keys
+    ``additionalProperties`` counts too: jsonschema's own took a key of Unicode digits as matching
+    the pattern, so it was not additional (JSONSchemaBench Github_easy #1922)."""
+    schema = {"type": "object", "patternProperties": {"^[a-f\\d]{2}$": {"type": "integer"}},
+              "additionalProperties": False}
+    v = gs.validator(schema)
+    assert gs.is_valid(v, {"a1": 1}) and not gs.is_valid(v, {"a1": "x"})
+    assert not gs.is_valid(v, {"\u0e53\u0e53": 1})   # Thai digits: \d in Python's re, not in ECMA
+    assert gs.is_valid(gs.validator({**schema, "additionalProperties": {"type": "string"}}), {"\u0e53\u0e53": "x"})
