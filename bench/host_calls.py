@@ -89,12 +89,11 @@ def count_calls(model: Path, policy: str, budget: float, batch: int, num_layers:
     from replicas.engine import LLMEngine
     from replicas.sampling_params import SamplingParams
     name, args = policy_setup(policy, num_layers)
-    from replicas.policies import make_policy
-    graph = graph and not make_policy(name, **args).spec.record_decode_queries
     engine = LLMEngine(EngineConfig(model=str(model), kv_policy=name, kv_policy_args=args,
                                     kv_budget=budget if name != "full" else 1.0, max_num_seqs=batch,
                                     max_model_len=max_prompt_tokens + steps + 64, kv_cache_bytes=256 << 20,
                                     enforce_eager=not graph))
+    graph = graph and not engine.policy.spec.record_decode_queries   # (the engine decodes those eagerly)
     try:
         for i, ids in enumerate(prompts(engine.tokenizer, batch)):
             engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=steps + 32, ignore_eos=True))

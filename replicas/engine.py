@@ -411,8 +411,7 @@ class LLMEngine:
         held = kv.blocks.row_bytes[torch.tensor(idx)].tolist()
         if -1 in idx:
             held = [None if i < 0 else h for i, h in zip(idx, held)]
-        bs = kv.cfg.block_size
-        full = torch.tensor(lengths).add_(bs - 1).div_(bs, rounding_mode="floor").mul_(kv.full_kv_bytes(bs)).tolist()
+        full = kv.full_kv_bytes_batch(lengths).tolist()
         return [self._postprocess(*a) for a in zip(seqs, tokens, held, full, lengths)]
 
     @staticmethod
@@ -561,11 +560,10 @@ class LLMEngine:
         if not seqs:
             return
         kv = self.kv
-        row_of, bs = kv.seqs, kv.cfg.block_size
+        row_of = kv.seqs
         rows = torch.tensor([row_of[s.request_id] for s in seqs], dtype=torch.int64)
         budgets = torch.tensor([s.kv_budget for s in seqs], dtype=torch.float64)
-        pages = torch.tensor(lengths, dtype=torch.float64).add_(bs - 1).div_(bs, rounding_mode="floor")
-        allowed = budgets * (kv.cfg.num_layers * kv.page_cost(Precision.HIGH)) * pages
+        allowed = budgets * kv.full_kv_bytes_batch(lengths).double()
         over = (budgets < 1.0) & (kv.blocks.row_bytes[rows].double() > allowed + 1e-6)
         for i in over.nonzero().flatten().tolist():
             seq = seqs[i]
