@@ -221,83 +221,126 @@ class BlockManager:
             raise KVCacheOutOfMemory(f"KV pool budget exhausted: need {cost} bytes for {what}, "
                                      f"{self.bytes_free} free of {self.max_bytes}")
 
-    def reserve(self, row: int, layer: int, p: Precision, num_slots: int) -> list[int]:
-        """Pages so that (row, layer, p) can hold ``num_slots`` entries; returns the new page ids.
-
-        Raises:
-            KVCacheOutOfMemory: the budget cannot hold them (nothing changes).
-        """
-        have = int(self.num_pages[p][row, layer])
-        need = math.ceil(num_slots / self.block_size) - have
-        if need <= 0:
-            return []
-        if have + need > self.max_pages:
-            raise ValueError(f"row {row}, layer {layer}: {num_slots} entries exceed max_model_len "
-                             f"{self.max_model_len}")
-        self.check_fits(need * self.page_costs[p], f"{need} {p.name} pages")
-        ids = self._take(p, need)
-        self.block_table[p][row, layer, have:have + need] = torch.tensor(ids, dtype=torch.int32)
-        self.num_pages[p][row, layer] = have + need
-        self._charge(row, need * self.page_costs[p])
-        return ids
-
     def _charge(self, row: int, nbytes: int) -> None:
         self.row_bytes[row] += nbytes
         self.bytes_used += nbytes
 
-    def flat_slots(self, row: int, layer: int, p: Precision, slots: torch.Tensor) -> torch.Tensor:
-        """Pool-flat indices (``page * block_size + offset``) of ``slots [n]`` (int64)."""
+    def flat_slots(self, row: int, layers, p: Precision, slots: torch.Tensor) -> torch.Tensor:
+        """Pool-flat indices (``page * block_size + offset``) of ``slots [n]`` (int64) of (row,
+        ``layers``): one layer (int) or one per slot (``[n]`` int64)."""
         bs = self.block_size
-        pages = self.block_table[p][row, layer].long()[slots // bs]
-        return pages * bs + slots % bs
+        return self.block_table[p][row, layers, slots // bs].long() * bs + slots % bs
 
-    # ------------------------------------------------------------------ one (row, layer)
-    def append(self, row: int, layer: int, p: Precision, positions: torch.Tensor) -> torch.Tensor:
-        """Place new entries at ``positions [n]`` (int64, new to this layer) after the last slot of
-        (row, layer, p); returns their pool-flat slots (int64). Reserves pages first.
+    # ------------------------------------------------------------------ one row, several layers
+    def _new_pages(self, row: int, layers: torch.Tensor, p: Precision, counts: torch.Tensor) -> torch.Tensor:
+        """``[U]`` pages (row, ``layers [U]``, p) must gain to hold ``counts [U]`` more entries.
 
         Raises:
-            KVCacheOutOfMemory: nothing changes.
+            ValueError: more entries than ``max_model_len`` in a layer.
         """
-        start = int(self.num_slots[p][row, layer])
-        n = positions.shape[0]
-        self.reserve(row, layer, p, start + n)
-        slots = torch.arange(start, start + n)
-        self.slot_position[p][row, layer, start:start + n] = positions.to(torch.int32)
-        self.location[row, layer, positions] = loc_of(slots, p)
-        self.num_slots[p][row, layer] = start + n
-        return self.flat_slots(row, layer, p, slots)
+        total = self.num_slots[p][row, layers] + counts
+        if bool((total > self.max_pages * self.block_size).any()):
+            raise ValueError(f"row {row}: {int(total.max())} entries exceed max_model_len {self.max_model_len}")
+        return (total + self.block_size - 1) // self.block_size - self.num_pages[p][row, layers]
 
-    def remove(self, row: int, layer: int, p: Precision, slots: torch.Tensor):
-        """Swap-remove ``slots`` of (row, layer, p): the last kept entries fill the holes (holes
-        ascending, movers ascending); frees emptied pages. Returns ``(dst, src)`` pool-flat
-        indices of the data to move (``pool[dst] = pool[src]``)."""
-        n = int(self.num_slots[p][row, layer])
-        if slots.numel():
-            self.check_not_shared(torch.full_like(slots, row), slots, p,
-                                  torch.full_like(slots, layer) if self.has_snapshots else None)
-        drop = torch.zeros(n, dtype=torch.bool)
-        drop[slots] = True
-        keep_n = n - int(drop.sum())
-        pos_of = self.slot_position[p][row, layer]
-        self.location[row, layer, pos_of[:n][drop].long()] = -1
-        holes = drop[:keep_n].nonzero().flatten()
-        movers = (~drop[keep_n:]).nonzero().flatten() + keep_n
-        dst = self.flat_slots(row, layer, p, holes)
-        src = self.flat_slots(row, layer, p, movers)
-        if holes.numel():
-            pos_of[holes] = pos_of[movers]
-            self.location[row, layer, pos_of[holes].long()] = loc_of(holes, p)
-        self.num_slots[p][row, layer] = keep_n
-        self._release_pages(row, layer, p, math.ceil(keep_n / self.block_size))
+    def append(self, row: int, layers, p: Precision, positions: torch.Tensor) -> torch.Tensor:
+        """Place new entries at ``positions [n]`` (int64, new to their layer) after the last slot of
+        (row, layer, p), in the given order; ``layers``: one layer (int) or one per entry (``[n]``
+        int64). Takes the pages needed first. Returns their pool-flat slots ``[n]`` (int64).
+
+        Raises:
+            KVCacheOutOfMemory: the new pages do not fit (nothing changes).
+            ValueError: more entries than ``max_model_len`` in a layer.
+        """
+        n, bs = positions.shape[0], self.block_size
+        if isinstance(layers, int):
+            uniq, inv, counts = torch.tensor([layers]), torch.zeros(n, dtype=torch.int64), torch.tensor([n])
+        else:
+            uniq, inv, counts = torch.unique(layers, return_inverse=True, return_counts=True)
+        need = self._new_pages(row, uniq, p, counts)
+        num_new = int(need.sum())
+        if num_new:
+            self.check_fits(num_new * self.page_costs[p], f"{num_new} {p.name} pages")
+            ids = torch.tensor(self._take(p, num_new), dtype=torch.int32)
+            have = self.num_pages[p][row, uniq]
+            first = torch.cumsum(need, 0) - need
+            page = torch.arange(num_new) - first.repeat_interleave(need) + have.repeat_interleave(need)
+            self.block_table[p][row, uniq.repeat_interleave(need), page] = ids
+            self.num_pages[p][row, uniq] = have + need
+            self._charge(row, num_new * self.page_costs[p])
+        # slot of each entry: its layer's first free slot + its rank among that layer's entries
+        order = torch.argsort(inv, stable=True)
+        rank = torch.empty(n, dtype=torch.int64)
+        rank[order] = torch.arange(n) - (torch.cumsum(counts, 0) - counts).repeat_interleave(counts)
+        start = self.num_slots[p][row, uniq]
+        slots = start[inv] + rank
+        lay = uniq[inv]
+        self.slot_position[p][row, lay, slots] = positions.to(torch.int32)
+        self.location[row, lay, positions] = loc_of(slots, p)
+        self.num_slots[p][row, uniq] = start + counts
+        return self.flat_slots(row, lay, p, slots)
+
+    def remove(self, row: int, layers, p: Precision, slots: torch.Tensor):
+        """Swap-remove ``slots [n]`` (distinct) of (row, layer, p); ``layers``: one layer (int) or
+        one per slot (``[n]`` int64). In each layer the last kept entries fill the holes (holes
+        ascending, movers ascending) and emptied pages return to the pool. Returns ``(dst, src)``
+        pool-flat indices of the data to move (``pool[dst] = pool[src]``).
+
+        Raises:
+            ValueError: a slot in a shared page (nothing changes).
+        """
+        if not slots.numel():
+            empty = torch.empty(0, dtype=torch.int64)
+            return empty, empty
+        lay = torch.full_like(slots, layers) if isinstance(layers, int) else layers
+        self.check_not_shared(torch.full_like(slots, row), slots, p, lay if self.has_snapshots else None)
+        uniq, inv = torch.unique(lay, return_inverse=True)
+        n = self.num_slots[p][row, uniq]                                      # [U]
+        width = int(n.max())
+        drop = torch.zeros(uniq.shape[0], width, dtype=torch.bool)
+        drop[inv, slots] = True
+        keep_n = n - drop.sum(1)
+        pos_of = self.slot_position[p][row, uniq, :width]                     # [U, width] (a copy)
+        du, ds = drop.nonzero(as_tuple=True)
+        self.location[row, uniq[du], pos_of[du, ds].long()] = -1
+        ar = torch.arange(width)
+        # Per layer, as many holes below keep_n as movers at or above it; row-major order pairs them.
+        hu, hs = (drop & (ar < keep_n[:, None])).nonzero(as_tuple=True)
+        mu, ms = (~drop & (ar >= keep_n[:, None]) & (ar < n[:, None])).nonzero(as_tuple=True)
+        dst, src = self.flat_slots(row, uniq[hu], p, hs), self.flat_slots(row, uniq[mu], p, ms)
+        if hu.numel():
+            moved = pos_of[mu, ms]
+            self.slot_position[p][row, uniq[hu], hs] = moved
+            self.location[row, uniq[hu], moved.long()] = loc_of(hs, p)
+        self.num_slots[p][row, uniq] = keep_n
+        keep_pages = (keep_n + self.block_size - 1) // self.block_size
+        have = self.num_pages[p][row, uniq]
+        if bool((have > keep_pages).any()):
+            cols = torch.arange(int(have.max()))
+            freed = (cols >= keep_pages[:, None]) & (cols < have[:, None])
+            self.free_pages[p].extend(self.block_table[p][row, uniq, : cols.numel()][freed].tolist())
+            self.num_pages[p][row, uniq] = torch.minimum(have, keep_pages)
+            self._charge(row, -int(freed.sum()) * self.page_costs[p])
         return dst, src
 
-    def _release_pages(self, row: int, layer: int, p: Precision, keep_pages: int) -> None:
-        have = int(self.num_pages[p][row, layer])
-        if have > keep_pages:
-            self.free_pages[p].extend(self.block_table[p][row, layer, keep_pages:have].tolist())
-            self.num_pages[p][row, layer] = keep_pages
-            self._charge(row, -(have - keep_pages) * self.page_costs[p])
+    def check_move_fits(self, row: int, layers: torch.Tensor, src: torch.Tensor, p: Precision) -> None:
+        """Raise KVCacheOutOfMemory unless entries of (row, ``layers [n]``) in the pools ``src [n]``
+        (Precision values) fit in pool ``p`` once they have left their pools (the pages they free
+        count; nothing changes)."""
+        uniq, counts = torch.unique(layers, return_counts=True)
+        need = self._new_pages(row, uniq, p, counts)
+        cost = int(need.sum()) * self.page_costs[p]
+        for q in BITS:
+            m = src == int(q)
+            if bool(m.any()):
+                u, c = torch.unique(layers[m], return_counts=True)
+                keep_pages = (self.num_slots[q][row, u] - c + self.block_size - 1) // self.block_size
+                cost -= int((self.num_pages[q][row, u] - keep_pages).sum()) * self.page_costs[q]
+        if int(need.sum()) > len(self.free_pages[p]):
+            raise KVCacheOutOfMemory(f"the {p.name} pool has {len(self.free_pages[p])} free pages, "
+                                     f"{int(need.sum())} needed")
+        if cost > 0:
+            self.check_fits(cost, f"moving {layers.numel()} entries to {p.name}")
 
     # ------------------------------------------------------------------ a batch
     def append_batch(self, rows: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor | None):

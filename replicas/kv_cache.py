@@ -448,51 +448,67 @@ class KVCache:
             self._write(precision, flat, k, v)
         b.next_position[row, layer] = int(pos.max()) + 1
 
-    def set_precision(self, seq_id, layer: int, positions, precision: Precision) -> int:
-        """Demote kept tokens to ``precision`` (INT8, INT4) or release them (RELEASED).
+    def set_precision(self, seq_id, layers, positions, precision: Precision) -> int:
+        """Demote kept tokens to ``precision`` (INT8, INT4) or release them (RELEASED), in one
+        layer or in several at once.
 
-        Tokens already at or below ``precision`` are left as they are (precision never rises:
-        dropped bits and released tokens never come back). Returns bytes freed (may be negative
-        when demoting fills a new LOW page).
+        Args:
+            layers: a layer (int) or several (a range or sequence of ints): the same ``positions``
+                change in each.
+            positions: distinct token positions (ints or an int64 tensor); those not kept, or kept
+                at or below ``precision`` in a layer, are left as they are there (precision never
+                rises: dropped bits and released tokens never come back).
+
+        Every entry moves in one batched swap-remove per source pool and one store into the target
+        pool, whatever the number of layers (PASK's demotions change a whole layer group). The
+        entries leave their pools before the target's pages are taken, so a demotion never holds
+        more pages than it ends with. Returns bytes freed (negative when demoting fills new LOW
+        pages).
 
         Raises:
-            KVCacheOutOfMemory: a demotion needs a LOW page the budget cannot hold (nothing changes).
+            KVCacheOutOfMemory: the target pool cannot hold the entries once they have left their
+                pools (nothing changes).
         """
         precision = Precision(precision)
-        b, bs = self.blocks, self.cfg.block_size
+        b = self.blocks
         row = b.rows[seq_id]
+        layer_ids = torch.tensor([layers] if isinstance(layers, int) else list(layers), dtype=torch.int64)
         pos = torch.as_tensor(positions if isinstance(positions, torch.Tensor) else list(positions),
                               dtype=torch.int64).flatten()
         pos = pos[(pos >= 0) & (pos < b.max_model_len)]
-        loc = b.location[row, layer, pos]
+        loc = b.location[row][layer_ids[:, None], pos[None, :]]                  # [layers, n]
         sel = (loc >= 0) & ((loc & 3) > int(precision))
         if not bool(sel.any()):
             return 0
-        pos, src, slot = pos[sel], (loc[sel] & 3).long(), (loc[sel] >> 2).long()
-        # Grouped by source pool, in the order each source first appears (as positions were given).
-        firsts = sorted((int((src == int(p)).nonzero()[0]), p) for p in BITS if bool((src == int(p)).any()))
-        order = torch.cat([(src == int(p)).nonzero().flatten() for _, p in firsts])
-        if precision != Precision.RELEASED and order.numel() > bs:
-            # One page at a time: each chunk needs at most one new LOW page and frees a page of its
-            # source pool, so a demotion never needs much more memory than it started with.
-            moved = pos[order]
-            return sum(self.set_precision(seq_id, layer, moved[i:i + bs], precision)
-                       for i in range(0, moved.numel(), bs))
+        li, pi = sel.nonzero(as_tuple=True)                                      # layer-major
+        lay, pos, loc = layer_ids[li], pos[pi], loc[li, pi]
+        src = loc & 3
+        sources = [p for p in BITS if bool((src == int(p)).any())]
+        if b.has_snapshots:                                                      # copy-on-write first
+            for p in sources:
+                m = src == int(p)
+                for layer in torch.unique(lay[m]).tolist():
+                    lm = m & (lay == layer)
+                    self._unshare(row, layer, p, (loc[lm] >> 2).long())   # (slots stay where they are)
+        slot = (loc >> 2).long()
         before = b.bytes_used
-        if precision != Precision.RELEASED:
-            total = int(b.num_slots[precision][row, layer]) + order.numel()
-            b.reserve(row, layer, precision, total)
-            self._zero_fresh(precision)
-        for _, p in firsts:
+        keep = precision != Precision.RELEASED
+        if keep:
+            b.check_move_fits(row, lay, src, precision)
+            h, d = self.cfg.num_kv_heads, self.cfg.head_dim
+            k = torch.empty(pos.shape[0], h, d, dtype=self.cfg.dtype, device=self.device)
+            v = torch.empty_like(k)
+        for p in sources:
             m = src == int(p)
-            if b.has_snapshots:
-                self._unshare(row, layer, p, slot[m])
-            flat = b.flat_slots(row, layer, p, slot[m])
-            if precision != Precision.RELEASED:
-                k, v = self._read(p, flat)
-            self._move(p, *b.remove(row, layer, p, slot[m]))
-            if precision != Precision.RELEASED:
-                self._write(precision, b.append(row, layer, precision, pos[m]), k, v)
+            flat = b.flat_slots(row, lay[m], p, slot[m])
+            if keep:
+                md = m.to(self.device)
+                k[md], v[md] = self._read(p, flat)
+            self._move(p, *b.remove(row, lay[m], p, slot[m]))
+        if keep:
+            flat = b.append(row, lay, precision, pos)
+            self._zero_fresh(precision)
+            self._write(precision, flat, k, v)
         return before - b.bytes_used
 
     def truncate(self, seq_id, num_tokens: int) -> None:

@@ -382,10 +382,8 @@ class PASKPolicy(KVPolicy):
         level = Precision(int(side.actions_at(k)[bucket, group]))
         start, end = table.layer_groups[group]
         cell = torch.tensor([p for p, b in positions.items() if b == bucket], dtype=torch.int64)
-        for layer in range(start, end):
-            demote = cell[kv.precisions_at(seq.request_id, layer, cell) > int(level)]
-            if demote.numel():
-                kv.set_precision(seq.request_id, layer, demote, level)
+        if cell.numel():   # the whole group in one call (entries already at or below level stay)
+            kv.set_precision(seq.request_id, range(start, end), cell, level)
         return True
 
     @staticmethod

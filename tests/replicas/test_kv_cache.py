@@ -52,6 +52,56 @@ def test_demote_keeps_positions_and_bounded_error(precision, bits):
     assert c.bytes_used == sum(c.sequence_bytes(s) for s in c.seqs)
 
 
+def test_set_precision_over_several_layers_equals_one_call_per_layer():
+    """One call over a layer group (as PASK demotes) leaves every layer with the entries,
+    precisions, values and bytes that one call per layer leaves; entries already at or below the
+    target in a layer stay as they are."""
+    torch.manual_seed(1)
+    caches = [cache(num_layers=3), cache(num_layers=3)]
+    for c in caches:
+        c.add_sequence("a")
+    k, v = torch.randn(14, 2, 8), torch.randn(14, 2, 8)
+    for c in caches:
+        for layer in range(3):
+            c.append("a", layer, range(14), k, v)
+        c.set_precision("a", 1, [2, 5], Precision.INT4)          # below the target in layer 1
+        c.set_precision("a", 2, [3], Precision.RELEASED)
+    cells = [0, 2, 3, 5, 6, 7, 8, 9, 13]
+    one, per_layer = caches
+    freed = one.set_precision("a", range(3), cells, Precision.INT8)
+    freed_each = sum(per_layer.set_precision("a", layer, cells, Precision.INT8) for layer in range(3))
+    assert freed == freed_each and one.bytes_used == per_layer.bytes_used
+    for layer in range(3):
+        assert one.kept("a", layer) == per_layer.kept("a", layer)
+        got, want = one.gather("a", layer), per_layer.gather("a", layer)
+        order_g, order_w = got[0].argsort(), want[0].argsort()
+        for g, w in zip(got[1:], want[1:]):
+            assert torch.equal(g[order_g], w[order_w])
+    assert one.kept("a", 1)[2] == Precision.INT4 and 3 not in one.kept("a", 2)
+    recount(one, ["a"])
+
+
+def test_demotion_counts_the_pages_it_frees_and_is_all_or_nothing():
+    """A demotion in a full pool succeeds when the pages it frees pay for its LOW pages (it
+    releases before it stores); when they cannot, it raises and nothing changes."""
+    high = 4 * (2 * 2 * 8 * 4 + 4) + 4
+    c = cache(max_bytes=4 * high)
+    c.add_sequence("a")
+    fill(c, "a", 16, layer=0)                                    # the whole budget: 4 HIGH pages
+    assert c.bytes_free == 0
+    c.set_precision("a", 0, range(8), Precision.INT8)           # frees 2 HIGH pages, takes 2 INT8
+    assert c.kept("a", 0) == {p: Precision.INT8 if p < 8 else Precision.HIGH for p in range(16)}
+    recount(c, ["a"])
+    d = cache(max_bytes=4 * high)
+    d.add_sequence("a")
+    fill(d, "a", 16, layer=0)
+    before = (d.kept("a", 0), d.bytes_used)
+    with pytest.raises(KVCacheOutOfMemory):
+        d.set_precision("a", 0, [0], Precision.INT8)            # frees nothing, needs an INT8 page
+    assert (d.kept("a", 0), d.bytes_used) == before
+    recount(d, ["a"])
+
+
 def test_release_frees_pages_and_tokens_never_return():
     c = cache()
     c.add_sequence("a")
@@ -288,10 +338,11 @@ def test_plan_and_block_tables_against_a_recount_under_random_operations():
                 pos = [int(c.kept_positions(s, layer)[rand(c.num_kept(s, layer))]) for s, layer in chosen]
                 c.release_one(torch.tensor([c.row(s) for s, _ in chosen]), torch.tensor([l for _, l in chosen]),
                               torch.tensor(pos))
-        elif op == 3:
-            s, layer = live[rand(len(live))], rand(2)
-            kept = c.kept_positions(s, layer).tolist()
-            c.set_precision(s, layer, [p for p in kept if rand(3) == 0], (Precision.RELEASED, Precision.INT8, Precision.INT4)[rand(3)])
+        elif op == 3:   # one layer, or both in one call
+            s, layers = live[rand(len(live))], [[0], [1], [0, 1]][rand(3)]
+            kept = sorted(set().union(*(c.kept_positions(s, layer).tolist() for layer in layers)))
+            c.set_precision(s, layers if len(layers) > 1 else layers[0], [p for p in kept if rand(3) == 0],
+                            (Precision.RELEASED, Precision.INT8, Precision.INT4)[rand(3)])
         else:
             c.free_sequence(live.pop(rand(len(live))))
         recount(c, live)
