@@ -4,7 +4,7 @@
 
 Runs synthetic test prompts (tools grammar, greedy) through the engine with the PASK policy and
 times, per decode step, (a) tagging: the new token's text (decoded once per token id) and the
-structural tagger's ``feed`` + ``bucket_of``, (b) lookup: the policy's ``decode_targets`` (table
+structural tagger's ``feed_bucket``, (b) lookup: the policy's ``decode_targets`` (table
 row -> each new token's precision per layer), and (c) the engine's budget check with the budget
 state's ``hold_budget`` (KV work, reported apart; the store itself is part of the forward). ITL is the engine step time while every sequence decodes. Prints medians over repeats.
 """
@@ -45,11 +45,9 @@ def measure(batch: int, max_tokens: int, table: str | None, seed: int = 0) -> di
     eng = LLMEngine(EngineConfig(kv_policy="pask", kv_policy_args={"table": table} if table else {},
                                  kv_budget=0.5, max_num_seqs=batch, kv_cache_bytes=256 << 20))
     tag, lookup, apply = _Timer(), _Timer(), _Timer()
-    feed, targets, missing = StructuralTagger.feed, PASKPolicy.decode_targets, engine_mod.TokenText.__missing__
-    bucket_of = engine_mod.bucket_of
+    feed, targets, missing = StructuralTagger.feed_bucket, PASKPolicy.decode_targets, engine_mod.TokenText.__missing__
     enforce = eng._enforce_budget
-    StructuralTagger.feed = tag.wrap(feed)
-    engine_mod.bucket_of = tag.wrap(bucket_of)
+    StructuralTagger.feed_bucket = tag.wrap(feed)
     engine_mod.TokenText.__missing__ = tag.wrap(missing)   # a token's text, decoded once per id
     PASKPolicy.decode_targets = lookup.wrap(targets)
     try:
@@ -74,8 +72,8 @@ def measure(batch: int, max_tokens: int, table: str | None, seed: int = 0) -> di
                 tokens += len(outs)
         eng.close()
     finally:
-        StructuralTagger.feed, PASKPolicy.decode_targets = feed, targets
-        engine_mod.TokenText.__missing__, engine_mod.bucket_of = missing, bucket_of
+        StructuralTagger.feed_bucket, PASKPolicy.decode_targets = feed, targets
+        engine_mod.TokenText.__missing__ = missing
     med = lambda i: statistics.median(s[i] for s in steps)
     itl = med(0)
     return {"batch": batch, "decode_steps": len(steps), "itl_ms": 1e3 * itl,

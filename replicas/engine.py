@@ -34,7 +34,7 @@ from replicas.sampling_params import SamplingParams
 from replicas.scheduler import PrefillWork, Scheduler, SchedulerConfig
 from replicas.sequence import RequestOutput, Sequence, SequenceStatus, TokenLogprob
 from replicas.prompt_labels import prompt_labels
-from replicas.tagger import StructuralTagger, bucket_of
+from replicas.tagger import StructuralTagger
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -610,7 +610,7 @@ class LLMEngine:
         n += 1
         tagger = seq.policy_state.get("tagger")
         if tagger is not None:  # PASK: the token's structural bucket, used when its KV is stored
-            seq.policy_state.setdefault("tags", {})[n - 1] = bucket_of(tagger.feed(self._token_text[token]))
+            seq.policy_state.setdefault("tags", {})[n - 1] = tagger.feed_bucket(self._token_text[token])
         p = seq.params
         if seq.matcher is not None and not seq.matcher.is_terminated():
             seq.matcher.accept_token(token)
@@ -658,7 +658,7 @@ class LLMEngine:
         if tagger is not None:
             draft_tagger, tags = tagger.copy(), seq.policy_state.setdefault("tags", {})
             for i, token in enumerate(ids):
-                tags[seq.num_tokens + i] = bucket_of(draft_tagger.feed(self._token_text[token]))
+                tags[seq.num_tokens + i] = draft_tagger.feed_bucket(self._token_text[token])
         seq.draft_token_ids = ids
         seq.metrics.num_draft_tokens += len(ids)
 
@@ -696,7 +696,7 @@ class LLMEngine:
         seq.output_token_ids.append(token)
         tagger = seq.policy_state.get("tagger")
         if tagger is not None:
-            seq.policy_state.setdefault("tags", {})[seq.num_tokens - 1] = bucket_of(tagger.feed(self._token_text[token]))
+            seq.policy_state.setdefault("tags", {})[seq.num_tokens - 1] = tagger.feed_bucket(self._token_text[token])
         if not seq.matcher.accept_token(token):
             raise RuntimeError(f"request {seq.request_id!r}: its grammar refused draft token {token}")
         seq.text += seq.detokenizer.add(token)

@@ -106,3 +106,40 @@ def test_real_tokens_with_characters_split_across_tokens():
     inside = [g for s, g in zip(spans, got) if start <= s < end]
     assert inside and set(inside) == {"string_required"}, inside
     assert got[[p.strip('" ') for p in pieces].index("days")] == "arg_key_optional"
+
+
+def test_whole_token_fast_path_equals_per_character_tagging():
+    """Tokens tagged in one step (free text, a run inside a JSON string) get the tag and leave
+    the state that tagging them character by character gives: the synthetic test split's answers
+    (tool calls and JSON), split by the real tokenizer and at random points."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from models import resolve_checkpoint, synth
+    tok = AutoTokenizer.from_pretrained(resolve_checkpoint())
+    rng = random.Random(0)
+
+    class PerCharacter(StructuralTagger):
+        def _fast_roles(self, text):
+            return None
+    cases = []
+    for cat in ("simple", "multiple", "parallel", "irrelevance"):
+        for ex in synth.Generator("test", seed=1).examples(cat, 6):
+            text = "Sure, the answer:\n" + chat.render_answer(ex.answer) if ex.answer else "No tool fits \"that\"."
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            cases.append((ex.tools, None, [tok.decode([i]) for i in ids]))
+            cut = sorted(rng.sample(range(1, len(text)), min(12, len(text) - 1)))
+            cases.append((ex.tools, None, [text[a:b] for a, b in zip([0] + cut, cut + [len(text)])]))
+    schema = {"type": "object", "required": ["title", "tags"], "properties": {
+        "title": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}}}
+    doc = json.dumps({"title": "a \"quoted\" title\\n", "tags": ["alpha beta", "gamma"], "extra": "x y"})
+    cases.append((None, schema, [tok.decode([i]) for i in tok(doc, add_special_tokens=False)["input_ids"]]))
+    fast_hits = 0
+    for tools, js, pieces in cases:
+        fast, slow = StructuralTagger(tools, json_schema=js), PerCharacter(tools, json_schema=js)
+        for piece in pieces:
+            fast_hits += StructuralTagger._fast_roles(fast.copy(), piece) is not None
+            assert fast.feed_bucket(piece) == bucket_of(slow.feed(piece)), (pieces, piece)
+        assert fast._string_text == slow._string_text and fast._mode == slow._mode
+    assert fast_hits > 100   # the fast path did run
