@@ -316,23 +316,27 @@ class PASKPolicy(KVPolicy):
         """The precision of each sequence's new token per layer, looked up from its parser bucket
         (tagged when it was sampled) at the sequence's decode state: what :meth:`on_decode` would
         demote it to, so the token is stored there directly."""
-        rows, any_row = [], False
-        for seq in seqs:
+        cells: dict = {}   # (table, decode state) -> ([batch rows], [buckets]): one lookup each
+        for i, seq in enumerate(seqs):
             state = seq.policy_state
-            if "pask_k" not in state:
-                rows.append(None)
+            k = state.get("pask_k")
+            if k is None:
                 continue
             table = state["pask_table"]
             if seq.kv_budget > state["pask_budget"]:  # the budget rose: later tokens get a larger state
-                state["pask_k"][1] = max(state["pask_k"][1], table.decode.state_for(seq.kv_budget))
+                k[1] = max(k[1], table.decode.state_for(seq.kv_budget))
             state["pask_budget"] = seq.kv_budget
-            bucket = state.get("tags", {}).get(seq.num_tokens - 1)
-            rows.append(None if bucket is None else self.layer_actions(table, state["pask_k"][1])[bucket])
-            any_row |= bucket is not None
-        if not any_row:
+            bucket = state["tags"].get(seq.num_tokens - 1) if "tags" in state else None
+            if bucket is not None:
+                _, rows, buckets = cells.setdefault((id(table), k[1]), (table, [], []))
+                rows.append(i)
+                buckets.append(bucket)
+        if not cells:
             return None
-        high = torch.full((kv.cfg.num_layers,), int(Precision.HIGH), dtype=torch.int64)
-        return torch.stack([high if r is None else r for r in rows])
+        out = torch.full((len(seqs), kv.cfg.num_layers), int(Precision.HIGH), dtype=torch.int64)
+        for (_, k), (table, rows, buckets) in cells.items():
+            out[rows] = self.layer_actions(table, k)[buckets]
+        return out
 
     def hold_budget(self, seq, kv: KVCache, budget: float) -> None:
         """Demote above-floor cells, last upgrade first, until the sequence holds at most ``budget`` x
