@@ -199,6 +199,8 @@ def disjoint_kinds(a: list, b: list, root: Any, depth: int = 0) -> set:
             out.add(kind)
         elif kind in _RANGES and _ranges_disjoint(ia, ib, _RANGES[kind]):
             out.add(kind)
+        elif kind == "string" and _prefixes_disjoint(ia, ib):
+            out.add(kind)
         elif kind == "object" and depth <= 8 and _objects_disjoint(ia, ib, root, depth):
             out.add(kind)
     return out
@@ -220,6 +222,65 @@ def _ranges_disjoint(ia: "Info", ib: "Info", kws: tuple) -> bool:
     lo_b, hi_b = _bound(ib, kws[0], True), _bound(ib, kws[1], False)
     return (hi_a is not None and lo_b is not None and hi_a < lo_b) or \
         (hi_b is not None and lo_a is not None and hi_b < lo_a)
+
+
+def literal_prefix(pattern: str) -> str:
+    """The characters every string ``pattern`` matches starts with ("" when none are known): the
+    literal run after a leading ``^`` (with no ``|`` outside a group or class, which would let
+    another branch match anywhere), up to the first metacharacter; a character that a ``?``,
+    ``*`` or ``{`` makes optional is left out. Read the same by Python's ``re`` and ECMA-262 (no
+    multiline flag in JSON Schema: ``^`` is the start of the string)."""
+    if not isinstance(pattern, str) or not pattern.startswith("^"):
+        return ""
+    depth, i = 0, 0
+    while i < len(pattern):   # a top-level alternation: "^a|b" matches "xb"
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "[":
+            j = i + 1 + (pattern[i + 1:i + 2] == "^")
+            j += pattern[j:j + 1] == "]"
+            while j < len(pattern) and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            i = j + 1
+            continue
+        depth += (c == "(") - (c == ")")
+        if c == "|" and depth == 0:
+            return ""
+        i += 1
+    out, i = [], 1
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern) and not pattern[i + 1].isalnum() and pattern[i + 1].isprintable():
+            ch, nxt = pattern[i + 1], i + 2
+        elif c not in _META and c.isprintable():
+            ch, nxt = c, i + 1
+        else:
+            break
+        if pattern[nxt:nxt + 1] in ("?", "*", "{"):
+            break
+        out.append(ch)
+        if pattern[nxt:nxt + 1] == "+":
+            break
+        i = nxt
+    return "".join(out)
+
+
+def _prefixes_disjoint(ia: "Info", ib: "Info") -> bool:
+    """Whether no string satisfies both: each side's patterns fix a start (:func:`literal_prefix`)
+    and two of them disagree, or every string value one side allows misses the other's start."""
+    def prefixes(info):
+        return [p for p in (literal_prefix(f.get("pattern")) for f in info.facets if isinstance(f, dict)) if p]
+    pa, pb = prefixes(ia), prefixes(ib)
+    if any(not x.startswith(y) and not y.startswith(x) for x in pa for y in pb):
+        return True
+    for info, other in ((ia, pb), (ib, pa)):
+        if info.values is not None and other:
+            strings = [v for v in info.values.values() if isinstance(v, str)]
+            if all(any(not v.startswith(p) for p in other) for v in strings):
+                return True
+    return False
 
 
 def _objects_disjoint(ia: Info, ib: Info, root: Any, depth: int) -> bool:

@@ -60,6 +60,12 @@ IDIOMS = [
     ("arrays of disjoint items (both accept [])",
      {"oneOf": [{"type": "array", "items": {"type": "string"}}, {"type": "array", "items": INT}]},
      [["a"], [1]], [["a", 1]], []),
+    ("patterns that fix different starts (disjoint: no negation needed)",
+     {"oneOf": [{"type": "string", "pattern": "^https?://.+$"}, {"type": "string", "pattern": "^\\./.+$"}]},
+     ["https://a.b", "./x"], ["x", "http:/", 1], None),
+    ("string values against a pattern's start (Github_easy #505: named colors or #rrggbb)",
+     {"oneOf": [{"enum": ["red", "navy"]}, {"type": "string", "pattern": "^#[0-9a-f]{6}$"}]},
+     ["red", "#00ff00"], ["green", "#00"], None),
     ("a boolean const against a boolean",
      {"oneOf": [{"type": "boolean"}, {"const": True}]},
      [False], [None], True),
@@ -107,6 +113,15 @@ def test_overlap_that_cannot_be_negated_exactly_stays_refused(engine, schema, ne
     with pytest.raises(GrammarCompileError, match="cannot enforce") as e:
         engine.grammar.compile(GrammarSpec("json_schema", schema))
     assert needle in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("pattern,prefix", [
+    ("^https?://.+$", "http"), ("^\\./x", "./x"), ("^ab*c", "a"), ("^a+b", "a"), ("^x{2}", ""),
+    ("^a|b", ""), ("^(a|b)c", ""), ("^[a|b]c", ""), ("^[]|]z", ""), ("abc", ""), ("^\\d", ""), ("^a(?:b|c)", "a")])
+def test_literal_prefix_is_what_every_match_starts_with(pattern, prefix):
+    """A top-level ``|`` (outside groups and classes) voids it; an optional character ends it."""
+    from replicas.schema_oneof import literal_prefix
+    assert literal_prefix(pattern) == prefix
 
 
 def test_rewrite_leaves_disjoint_members_as_they_are():
