@@ -296,11 +296,25 @@ def invalid_instances(v, valids: list, n: int, rng: random.Random) -> list:
 
 # ---------------------------------------------------------------------------------- layouts
 def _resolve(root, ref: str):
-    """The node a local ``$ref`` names, or None (``replicas.schema_oneof.resolve_pointer``)."""
+    """The node a local ``$ref`` names, or None: a JSON pointer
+    (``replicas.schema_oneof.resolve_pointer``) or a plain-name fragment (``#name``: the node whose
+    ``id`` / ``$id`` is ``#name``, as draft 4 to 7 name them, or whose ``$anchor`` is ``name``)."""
     try:
         return resolve_pointer(root, ref)
     except UnresolvedRef:
+        pass
+    if not ref.startswith("#") or ref.startswith("#/"):
         return None
+    stack = [root]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, dict):
+            if ref in (n.get("id"), n.get("$id")) or n.get("$anchor") == ref[1:]:
+                return n
+            stack.extend(n.values())
+        elif isinstance(n, list):
+            stack.extend(n)
+    return None
 
 
 def _expand(nodes, root):

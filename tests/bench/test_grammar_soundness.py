@@ -45,6 +45,19 @@ def test_mutations_are_checked_invalid_and_layouts_follow_schema_order():
     assert gs.typed({"properties": {"a": {"maxLength": 2}}})["properties"]["a"]["type"] == "string"
 
 
+def test_schema_order_follows_plain_name_refs():
+    """A draft-4 ``$ref: "#name"`` (the node whose ``id`` is ``#name``) is followed, so the
+    checker writes keys in the order the grammar does (Github_medium #467 was counted as a valid
+    instance rejected for want of it)."""
+    schema = {"definitions": {"p": {"id": "#param", "type": "object",
+                                    "properties": {"priority": {"type": "integer"}, "limit": {"type": "number"}}}},
+              "type": "object", "properties": {"min": {"$ref": "#param"}}}
+    x = {"min": {"q": True, "limit": 0.1, "priority": 4}}
+    assert list(gs.schema_order(x, schema)["min"]) == ["priority", "limit", "q"]
+    assert gs._resolve({"$defs": {"a": {"$anchor": "here", "type": "null"}}}, "#here") == {"$anchor": "here", "type": "null"}
+    assert gs._resolve(schema, "#nowhere") is None
+
+
 STRINGS = st.one_of(
     st.fixed_dictionaries({"type": st.just("string")}, optional={
         "maxLength": st.integers(1, 8), "minLength": st.integers(0, 3),
