@@ -822,25 +822,43 @@ class LLGuidanceMatcher(Matcher):
         self._tok = compiled.tokenizer
         self._stop = set(compiled.tokenizer.eos_tokens)
         self._terminated = False
+        self.masked = False   # the mask of the current state is computed (set by apply_bitmask)
 
     def accept_token(self, token: int) -> bool:
+        """Accept ``token`` if the grammar allows it (False, state unchanged, if not).
+
+        The token is checked against the state's mask, computed here when the step did not
+        (tests, drafts, forced strings): llguidance's ``validate_tokens`` on a state whose mask
+        was never computed walks its lexer another way, which on some patterns (Github_hard
+        #102: ``^(?:\\S+\\s+){0,29}\\S+$`` with ``maxLength`` 300) builds regex derivatives
+        until its lexer gives up ("too many expressions constructed"), refusing valid text, and
+        leaves the grammar's shared lexer unusable for every later matcher."""
         if self._terminated or self.native.is_error():
             return False
         if token in self._stop:
             self._terminated = self.native.is_accepting()
             return self._terminated
+        if not self.masked:
+            self.native.compute_bitmask()
         # llguidance enters a permanent error state on a refused token: check first.
         if self.native.validate_tokens([token]) != 1:
             return False
+        self.masked = False
         return self.native.consume_token(token)
 
     def accept_string(self, text: str) -> bool:
         ids = self._tok.tokenize_str(text)
-        if self._terminated or self.native.is_error() or self.native.validate_tokens(ids) != len(ids):
+        if self._terminated or self.native.is_error():
             return False
-        return self.native.consume_tokens(ids)
+        for k, token in enumerate(ids):   # one token at a time, each against its state's mask
+            if token in self._stop or not self.accept_token(token):
+                self.rollback(k)
+                return False
+        return True
 
     def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.masked = False
         if num_tokens and self._terminated:
             self._terminated, num_tokens = False, num_tokens - 1
         if num_tokens and not self.native.rollback(num_tokens):
@@ -1141,6 +1159,7 @@ class GrammarCompiler:
             llguidance.torch.fill_next_token_bitmask_par(self._executor, [(matchers[i].native, i) for i in llg_rows],
                                                          bitmask)
             for i in llg_rows:
+                matchers[i].masked = True
                 if matchers[i].native.is_error():
                     bitmask[i].zero_()
                     for t in self.info.stop_token_ids:

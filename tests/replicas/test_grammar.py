@@ -552,3 +552,37 @@ def test_ecma_whitespace_rewrite():
     import re   # the rewrite means the same as ECMA-262 on characters both agree on
     for p, x in ((r"^[a\S]+$", "ab"), (r"^[a\S]+$", "a b"), (r"^\S[\s,]$", "x,"), (r"^\S[\s,]$", "x\ufeff")):
         assert bool(re.search(f(p), x)) == (x not in ("a b",)), (p, x)
+
+
+def test_llguidance_matcher_accepts_many_values_of_a_counted_pattern(engine):
+    """Github_hard #102's word-count pattern beside a length bound, 400 varied valid values in a
+    row, each through a new matcher of the one compiled grammar, token by token (as drafts and
+    forced strings are accepted, with no mask computed by a step). Checking tokens on states
+    whose mask was never computed sent llguidance's lexer building regex derivatives until it gave
+    up: the first value was refused at its 44th token and every later matcher at its first (all
+    400 here), while the same values were accepted with a mask computed at every step."""
+    import random
+
+    from replicas.grammar import GrammarSpec
+    schema = {"type": "string", "pattern": "^(?:\\S+\\s+){0,29}\\S+$", "maxLength": 300}
+    spec = GrammarSpec("json_schema", schema)
+    assert engine.grammar.backend_of(spec) == "llguidance"
+    validator = jsonschema.Draft7Validator(schema)
+    rng = random.Random(0)
+
+    def word():
+        return "".join(chr(rng.choice([rng.randrange(33, 127), rng.randrange(0xa1, 0x2000), rng.randrange(0x4e00, 0x9fff)]))
+                       for _ in range(rng.randrange(1, 12)))
+    values = []
+    while len(values) < 400:
+        text = word()
+        for _ in range(rng.randrange(0, 29)):
+            text += "".join(rng.choice([" ", "\u3000", "\t", "\n"]) for _ in range(rng.randrange(1, 3))) + word()
+        text = text[:300].rstrip()
+        if text and validator.is_valid(text) and "\x7f" not in text:   # (llguidance takes DEL escaped only)
+            values.append(text)
+    rejected = [i for i, v in enumerate(values)
+                if not _accepts(engine.grammar.matcher(spec), engine.tokenizer, json.dumps(v, ensure_ascii=False))]
+    assert not rejected, f"{len(rejected)} of {len(values)} rejected, the first: {values[rejected[0]]!r}"
+    m = engine.grammar.matcher(spec)      # a forced string is checked the same way
+    assert m.accept_string(json.dumps(values[0], ensure_ascii=False)[:-1]) and not m.accept_string("\x01")
