@@ -321,18 +321,17 @@ def _expand(nodes, root):
     """``nodes`` and every schema they stand for at the same instance ($ref, allOf / anyOf /
     oneOf members, if / then / else)."""
     out, stack, seen = [], list(nodes), set()
-    while stack:
+    while stack:   # depth first, a $ref's target where the $ref is: the order the grammars merge properties in
         n = stack.pop(0)
         if not isinstance(n, dict) or id(n) in seen:
             continue
         seen.add(id(n))
         out.append(n)
-        if isinstance(n.get("$ref"), str):
-            stack.append(_resolve(root, n["$ref"]))
+        children = [_resolve(root, n["$ref"])] if isinstance(n.get("$ref"), str) else []
         for k in ("allOf", "anyOf", "oneOf"):
             if isinstance(n.get(k), list):
-                stack.extend(n[k])
-        stack.extend(n.get(k) for k in ("then", "else"))
+                children.extend(n[k])
+        stack[:0] = children + [n.get(k) for k in ("then", "else")]
     return out
 
 
