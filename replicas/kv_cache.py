@@ -331,6 +331,11 @@ class KVCache:
         top = int(b.next_position[row, layer])
         return (b.location[row, layer, :top] >= 0).nonzero().flatten()
 
+    def kept_mask(self, seq_id, num_positions: int) -> torch.Tensor:
+        """``[L, num_positions]`` bool: whether each layer keeps each of positions ``0 .. n - 1``."""
+        b = self.blocks
+        return b.location[b.rows[seq_id], :, :num_positions] >= 0
+
     def precisions_at(self, seq_id, layer: int, positions: torch.Tensor) -> torch.Tensor:
         """``[n]`` int64 Precision value of each of ``positions [n]`` in (sequence, layer)
         (RELEASED = 0 where not kept)."""

@@ -296,32 +296,29 @@ class CompilerKVPolicy(KVPolicy):
             drop = positions[~select_tokens(score, protected, threshold, budget_tokens)]
             if drop.numel():
                 actions.append(KVAction(layer, tuple(drop.tolist()), Precision.RELEASED))
+        state = view.seq.policy_state   # [L, n], for the decode-time budget (release_prompt_page)
+        state["ckv_score_stack"] = torch.stack([state["ckv_scores"][layer] for layer in range(view.kv.cfg.num_layers)])
         return actions
 
     def prompt_share(self, seq: Sequence, kv: KVCache) -> float:
         """Share of the prompt's (position, layer) entries the cache still keeps, in [0, 1]."""
-        prompt_len, num_layers = len(seq.prompt_token_ids), kv.cfg.num_layers
-        kept = sum(int((kv.kept_positions(seq.request_id, layer) < prompt_len).sum()) for layer in range(num_layers))
-        return kept / max(1, prompt_len * num_layers)
+        prompt_len = len(seq.prompt_token_ids)
+        return int(kv.kept_mask(seq.request_id, prompt_len).sum()) / max(1, prompt_len * kv.cfg.num_layers)
 
     def release_prompt_page(self, seq: Sequence, kv: KVCache) -> bool:
         """Release one page (``block_size`` entries) of the lowest-scoring prompt tokens outside the
-        window, from the layer that holds the most of them (scores recorded by
-        :meth:`prefill_actions`). Returns False when no layer has such a token left."""
-        scores = seq.policy_state.get("ckv_scores", {})
-        best = None
-        for layer in range(kv.cfg.num_layers):
-            sc = scores.get(layer)
-            if sc is None:
-                continue
-            kept = kv.kept_positions(seq.request_id, layer)
-            cand = kept[kept < sc.shape[0]]
-            droppable = cand[~torch.isinf(sc[cand])]
-            if droppable.numel() and (best is None or droppable.numel() > best[1].numel()):
-                best = (layer, droppable)
-        if best is None:
+        window, from the layer that holds the most of them (the first such layer on a tie; scores
+        recorded by :meth:`prefill_actions`), the lowest position first among equal scores.
+        Returns False when no layer has such a token left."""
+        scores = seq.policy_state.get("ckv_score_stack")                     # [L, n]
+        if scores is None:
             return False
-        layer, droppable = best
-        order = torch.sort(scores[layer][droppable], stable=True).indices
-        kv.set_precision(seq.request_id, layer, droppable[order[: kv.cfg.block_size]], Precision.RELEASED)
+        droppable = kv.kept_mask(seq.request_id, scores.shape[1]) & ~torch.isinf(scores)
+        counts = droppable.sum(1)
+        layer = int(counts.argmax())                                          # (the first maximum)
+        if not int(counts[layer]):
+            return False
+        positions = droppable[layer].nonzero().flatten()
+        order = torch.sort(scores[layer][positions], stable=True).indices
+        kv.set_precision(seq.request_id, layer, positions[order[: kv.cfg.block_size]], Precision.RELEASED)
         return True
