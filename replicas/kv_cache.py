@@ -614,9 +614,9 @@ class KVCache:
         with_self = plan.any_self is not None and plan.any_self[layer]
         if not pools and not with_self:
             raise ValueError(f"layer {layer}: no kept KV entries for rows {plan.rows.tolist()}")
-        if len(pools) + with_self > 1 and not plan.capturable and not kernels.use_triton(q.device):
-            # The CPU reference: every pool in one SDPA call (no per-pool call and merge).
-            return kernels.paged_decode_attention_pools_ref(
+        if not plan.capturable and not kernels.use_triton(q.device):
+            # The CPU: every pool in one call (the fused C kernel, or one SDPA call of the reference).
+            return kernels.paged_decode_attention_pools(
                 q, [(self.pools[p].k, self.pools[p].v, self.pools[p].k_scale, self.pools[p].v_scale,
                      plan.block_tables[p][layer], plan.context_lens[p][layer], self.pools[p].bits) for p in pools],
                 (k, v, plan.self_rows[layer]) if with_self else None, sm_scale).to(q.dtype)

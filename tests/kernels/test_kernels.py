@@ -10,6 +10,7 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton compiles anything
 
 import kernels  # noqa: E402
+from kernels import cpu_attention  # noqa: E402
 from kernels import (dequantize_ref, merge_attention_states, paged_decode_attention_pools_ref,  # noqa: E402
                      paged_decode_attention_ref, quantize_ref, quantize_store_ref)
 
@@ -136,24 +137,38 @@ def test_merge_equals_attention_over_union():
                                    atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("chunk_bytes", [None, 1])
+def _fused_cpu(q, pools, extra_kv=None, sm_scale=None):
+    if not cpu_attention.available():
+        pytest.fail("the fused CPU kernel did not build (is a C compiler installed?)")
+    return cpu_attention.paged_decode_attention_pools_cpu(q, pools, extra_kv, sm_scale)
+
+
+@pytest.mark.parametrize("impl,chunk_bytes,d", [("ref", None, 8), ("ref", 1, 8), ("fused", None, 8), ("fused", 1, 8),
+                                                ("fused", None, 32), ("fused", 1, 64)])
 @pytest.mark.parametrize("with_self", [False, True])
-def test_pools_reference_equals_float64_attention_over_the_union(with_self, chunk_bytes, monkeypatch):
+def test_pools_attention_equals_float64_attention_over_the_union(impl, with_self, chunk_bytes, d, monkeypatch):
     """HIGH, INT8 and INT4 pools (ragged, one row empty in a pool, one row empty everywhere but
-    its own key) attended in one call equal dense float64 attention over every kept entry, with
-    the batch in one chunk and in chunks of one sequence (``chunk_bytes=1``)."""
-    if chunk_bytes is not None:
+    its own key) attended in one call equal dense float64 attention over every kept entry: the
+    reference with the batch in one chunk and in chunks of one sequence (``chunk_bytes=1``), the
+    fused C kernel with each row whole and cut into ranges of one entry (flash-decoding's split),
+    at head sizes its vector path takes (multiples of 32) and one it does not (8)."""
+    if impl == "ref" and chunk_bytes is not None:
         monkeypatch.setattr(kernels.decode_attention, "POOLS_CHUNK_BYTES", chunk_bytes)
+    if impl == "fused" and chunk_bytes is not None:
+        monkeypatch.setattr(cpu_attention, "MIN_SPLIT_ENTRIES", 1)
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 8)      # more ranges than rows
+    attend = paged_decode_attention_pools_ref if impl == "ref" else _fused_cpu
     torch.manual_seed(1)
-    bs, hq, hkv, d = 4, 6, 3, 8
-    lens = {0: [5, 0, 3, 0], 8: [2, 9, 0, 0], 4: [7, 1, 4, 0]}
+    bs, hkv = 4, 3
+    hq = 9 if d == 32 else 6       # three query heads per KV head: the vector path's odd one out
+    lens = {0: [5, 0, 3, 0], 8: [2, 9, 0, 0], 4: [7, 1, 4, 0]} if d == 8 else {0: [5, 0, 13, 0], 8: [21, 9, 0, 0], 4: [17, 1, 40, 0]}
     made = {bits: make_pool(n, bs, hkv, d, bits) for bits, n in lens.items()}
     q = torch.randn(4, hq, d)
     ek, ev = torch.randn(4, hkv, d), torch.randn(4, hkv, d)
     emask = torch.tensor([True, False, True, True]) if with_self else None
     pools = [(*pool, table, torch.tensor(lens[bits], dtype=torch.int32), bits)
              for bits, (table, pool, _) in made.items()]
-    out = paged_decode_attention_pools_ref(q, pools, (ek, ev, emask) if with_self else None)
+    out = attend(q, pools, (ek, ev, emask) if with_self else None)
     for i in range(4):
         keys = [dense[0][table[i].long()].flatten(0, 1)[:lens[bits][i]] for bits, (table, _, dense) in made.items()]
         vals = [dense[1][table[i].long()].flatten(0, 1)[:lens[bits][i]] for bits, (table, _, dense) in made.items()]
@@ -167,6 +182,26 @@ def test_pools_reference_equals_float64_attention_over_the_union(with_self, chun
         s = torch.einsum("hd,thd->ht", q[i].double(), keys) / math.sqrt(d)
         torch.testing.assert_close(out[i].double(), torch.einsum("ht,thd->hd", s.softmax(-1), vals),
                                    atol=1e-5, rtol=1e-5)
+
+
+def test_fused_cpu_kernel_serves_the_cpu_and_equals_the_reference(monkeypatch):
+    """The registry runs the fused C kernel for CPU float32 inputs (not the reference), with the
+    reference's results to float32 rounding; ``STRUCTKV_KERNELS=ref`` forces the reference."""
+    torch.manual_seed(3)
+    table, pool, _ = make_pool([40, 17, 0], 16, 2, 32, 8)
+    q = torch.randn(3, 4, 32)
+    pools = [(*pool, table, torch.tensor([40, 17, 0], dtype=torch.int32), 8)]
+    calls = []
+    real = cpu_attention.paged_decode_attention_pools_cpu
+    monkeypatch.setattr(cpu_attention, "paged_decode_attention_pools_cpu", lambda *a: calls.append(1) or real(*a))
+    out = kernels.paged_decode_attention_pools(q, pools)
+    assert calls == [1]
+    torch.testing.assert_close(out, paged_decode_attention_pools_ref(q, pools), atol=1e-6, rtol=1e-5)
+    monkeypatch.setenv("STRUCTKV_KERNELS", "ref")
+    kernels.paged_decode_attention_pools(q, pools)
+    assert calls == [1]
+    with pytest.raises(ValueError, match="float32"):
+        real(q.double(), pools)
 
 
 def test_registry_uses_reference_off_cuda():
