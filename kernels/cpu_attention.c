@@ -124,7 +124,8 @@ static inline __attribute__((always_inline)) __m256 dot8(const float *q, const f
 #endif
 
 #ifdef STRUCTKV_AVX2
-/* exp_nonpositive on eight lanes (the same operations, so the same values). */
+/* exp_nonpositive on eight lanes (the same approximation, with fused multiply-adds: a value may
+ * differ from the scalar form's in the last bit). */
 static inline __attribute__((always_inline)) __m256 exp8_nonpositive(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
     __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
@@ -370,11 +371,13 @@ static void attend_range_any(const float *q, int b, int hq, int hkv, int d, cons
 }
 
 /* Entry point (see the header comment for layouts). ``splits``: work items per row (>= 1); each row's
- * entries are cut into that many contiguous ranges of at least ``min_split`` entries. */
+ * entries are cut into that many contiguous ranges of at least ``min_split`` entries. ``num_threads``:
+ * OpenMP threads (the caller's torch.get_num_threads(): the calling thread's own setting may differ).
+ * Returns 0, 1 for a bad shape, 2 when out of memory. */
 int structkv_paged_decode_attention_pools(const float *q, int32_t batch, int32_t hq, int32_t hkv, int32_t d,
                                           const pool_t *pools, int32_t num_pools, const float *ek, const float *ev,
                                           const uint8_t *emask, float sm_scale, int32_t splits, int32_t min_split,
-                                          float *out) {
+                                          int32_t num_threads, float *out) {
     if (batch <= 0) return 0;
     if (hq % hkv || d % 2 || splits < 1) return 1;
     int64_t *total = (int64_t *)malloc(sizeof(int64_t) * batch);
@@ -396,7 +399,7 @@ int structkv_paged_decode_attention_pools(const float *q, int32_t batch, int32_t
     float *part = (float *)malloc(sizeof(float) * items * hq * (d + 2));
     if (!part) { free(total); free(nsplit); free(first); return 2; }
     int err = 0;
-#pragma omp parallel
+#pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
     {
         float *scores = NULL;
         int64_t cap = 0;

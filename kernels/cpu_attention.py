@@ -93,7 +93,7 @@ def _load():
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
                    ctypes.POINTER(_PoolArg), ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_float, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p]
+                   ctypes.c_float, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p]
     _lib = fn
     return _lib
 
@@ -162,7 +162,31 @@ def paged_decode_attention_pools_cpu(q: torch.Tensor, pools, extra_kv=None,
     splits = max(1, -(-2 * threads // max(1, b)))
     rc = fn(q.data_ptr(), b, hq, hkv, d, args, len(pools), ek.data_ptr() if ek is not None else None,
             ev.data_ptr() if ev is not None else None, em.data_ptr() if em is not None else None,
-            sm_scale if sm_scale is not None else 1.0 / math.sqrt(d), splits, MIN_SPLIT_ENTRIES, out.data_ptr())
+            sm_scale if sm_scale is not None else 1.0 / math.sqrt(d), splits, MIN_SPLIT_ENTRIES, threads,
+            out.data_ptr())
     if rc:
         raise RuntimeError(f"fused CPU decode attention failed (code {rc}: 1 bad shape, 2 out of memory)")
     return out
+
+
+def _pool_tuples(ks, vs, k_scales, v_scales, tables, lens, bits):
+    return [(k, v, ksc if b else None, vsc if b else None, t, n, b)
+            for k, v, ksc, vsc, t, n, b in zip(ks, vs, k_scales, v_scales, tables, lens, bits)]
+
+
+@torch.library.custom_op("structkv::paged_decode_attention_pools", mutates_args=())
+def paged_decode_attention_pools_op(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor],
+                                    k_scales: list[torch.Tensor], v_scales: list[torch.Tensor],
+                                    tables: list[torch.Tensor], lens: list[torch.Tensor], bits: list[int],
+                                    extra_k: torch.Tensor, extra_v: torch.Tensor, extra_mask: torch.Tensor,
+                                    sm_scale: float) -> torch.Tensor:
+    """:func:`paged_decode_attention_pools_cpu` as a PyTorch operator, which a compiled graph
+    (``torch.compile``, the engine's CPU decode graph) calls as one opaque node. A HIGH pool's
+    scales may be any tensor (unread); ``extra_mask`` all False adds no entry."""
+    return paged_decode_attention_pools_cpu(q, _pool_tuples(ks, vs, k_scales, v_scales, tables, lens, bits),
+                                            (extra_k, extra_v, extra_mask), sm_scale)
+
+
+@paged_decode_attention_pools_op.register_fake
+def _(q, ks, vs, k_scales, v_scales, tables, lens, bits, extra_k, extra_v, extra_mask, sm_scale):
+    return q.new_empty(q.shape, dtype=torch.float32)
