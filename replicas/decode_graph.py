@@ -69,7 +69,8 @@ class DecodeGraph:
         self.max_pages = -(-kv.cfg.max_model_len // bs)
         self.failed = False
         self.calls = 0        # steps run through the graph
-        # CPU, float32: attention is the fused C kernel as one operator (kernels.cpu_attention).
+        # CPU, float32: attention is the fused kernel's operator (kernels.cpu_attention), which the
+        # C++ wrapper calls without Python.
         self.fused = not self.cuda and kv.cfg.dtype == torch.float32 and cpu_attention.available()
         if self.cuda:
             for p in self.precisions:
@@ -96,11 +97,11 @@ class DecodeGraph:
             for i, pool in enumerate(pools):
                 kv_store.store_slots(pool.k, pool.v, pool.k_scale, pool.v_scale, slots[i, layer], k, v, pool.bits)
             if self.fused:   # one opaque call to the fused C kernel (a HIGH pool's scales are unread)
-                return cpu_attention.paged_decode_attention_pools_op(
-                    q, [p.k for p in pools], [p.v for p in pools], [p.k_scale if p.bits else p.k for p in pools],
-                    [p.v_scale if p.bits else p.v for p in pools], [t[layer] for t in tables],
-                    [lens[i, layer] for i in range(len(pools))], [p.bits for p in pools], k, v, self_rows[layer],
-                    q.shape[-1] ** -0.5).to(q.dtype)
+                return torch.ops.structkv.paged_decode_attention_pools(
+                    q.contiguous(), [p.k for p in pools], [p.v for p in pools],
+                    [p.k_scale if p.bits else p.k for p in pools], [p.v_scale if p.bits else p.v for p in pools],
+                    [t[layer] for t in tables], [lens[i, layer] for i in range(len(pools))], [p.bits for p in pools],
+                    k.contiguous(), v.contiguous(), self_rows[layer], q.shape[-1] ** -0.5).to(q.dtype)
             return attend_pools(q, pools, [t[layer] for t in tables], [lens[i, layer] for i in range(len(pools))],
                                 (k, v, self_rows[layer]) if self.with_self else None, static=True)
 

@@ -146,7 +146,8 @@ def _fused_cpu(q, pools, extra_kv=None, sm_scale=None):
 @pytest.mark.parametrize("impl,chunk_bytes,d", [("ref", None, 8), ("ref", 1, 8), ("fused", None, 8), ("fused", 1, 8),
                                                 ("fused", None, 32), ("fused", 1, 64)])
 @pytest.mark.parametrize("with_self", [False, True])
-def test_pools_attention_equals_float64_attention_over_the_union(impl, with_self, chunk_bytes, d, monkeypatch):
+def test_pools_attention_equals_float64_attention_over_the_union(impl, with_self, chunk_bytes, d, monkeypatch,
+                                                                  request):
     """HIGH, INT8 and INT4 pools (ragged, one row empty in a pool, one row empty everywhere but
     its own key) attended in one call equal dense float64 attention over every kept entry: the
     reference with the batch in one chunk and in chunks of one sequence (``chunk_bytes=1``), the
@@ -156,7 +157,9 @@ def test_pools_attention_equals_float64_attention_over_the_union(impl, with_self
         monkeypatch.setattr(kernels.decode_attention, "POOLS_CHUNK_BYTES", chunk_bytes)
     if impl == "fused" and chunk_bytes is not None:
         monkeypatch.setattr(cpu_attention, "MIN_SPLIT_ENTRIES", 1)
-        monkeypatch.setattr(torch, "get_num_threads", lambda: 8)      # more ranges than rows
+        threads = torch.get_num_threads()
+        torch.set_num_threads(8)                                     # more ranges than rows
+        request.addfinalizer(lambda: torch.set_num_threads(threads))
     attend = paged_decode_attention_pools_ref if impl == "ref" else _fused_cpu
     torch.manual_seed(1)
     bs, hkv = 4, 3
@@ -200,8 +203,10 @@ def test_fused_cpu_kernel_serves_the_cpu_and_equals_the_reference(monkeypatch):
     monkeypatch.setenv("STRUCTKV_KERNELS", "ref")
     kernels.paged_decode_attention_pools(q, pools)
     assert calls == [1]
-    with pytest.raises(ValueError, match="float32"):
+    with pytest.raises(RuntimeError, match="float32"):
         real(q.double(), pools)
+    with pytest.raises(RuntimeError, match="pool 0: block table must be contiguous int32"):
+        real(q, [(*pool, table.long(), torch.tensor([40, 17, 0], dtype=torch.int32), 8)])
 
 
 def test_registry_uses_reference_off_cuda():
