@@ -6,7 +6,8 @@ it can be compiled once and replayed: no Python runs per layer or per sequence i
 follows vLLM's and nano-vllm's model runners: eager prefill, a compiled / captured decode.
 
 - **CPU**: ``torch.compile(fullgraph=True, dynamic=True)`` (inductor) of the forward; batch size
-  and block-table widths are symbolic, so one compile serves every step (batch and width are
+  and block-table widths are symbolic, the KV pools' dimensions static (``mark_static``: each size
+  symbol costs Python calls on every step), so one compile serves every step (batch and width are
   padded to at least 2, as PyTorch specializes dimensions of size 0 and 1). Inductor's C++
   wrapper (``cpp_wrapper``) makes the whole forward one call from Python, where its Python
   wrapper made several per layer and buffer (``docs/results/decode_graph.md``). The first step
@@ -72,9 +73,12 @@ class DecodeGraph:
         # CPU, float32: attention is the fused kernel's operator (kernels.cpu_attention), which the
         # C++ wrapper calls without Python.
         self.fused = not self.cuda and kv.cfg.dtype == torch.float32 and cpu_attention.available()
-        if self.cuda:
-            for p in self.precisions:
-                for t in kv.pools[p].tensors():
+        for p in self.precisions:
+            for t in kv.pools[p].tensors():
+                # The pools never change shape: static, so the graph neither guards nor reads
+                # their sizes on each call (dynamic=True would make every dimension a symbol).
+                torch._dynamo.mark_static(t)
+                if self.cuda:
                     torch._dynamo.mark_static_address(t)
         if self.cuda:
             self._compiled = torch.compile(self._forward, fullgraph=True, dynamic=True, mode="reduce-overhead")
