@@ -483,7 +483,7 @@ class LLMEngine:
                 kv.cache_prefix(item.seq.request_id, item.seq.all_token_ids, item.end)
         done, rows = list(decode), [logits] if decode else []
         if decode:
-            ev = self.policy.decode_evictions(decode, kv, plan.rows, queries)
+            ev = self.policy.decode_evictions(decode, kv, plan.rows, queries, plan.positions)
             if ev is not None:
                 if ev.rows.numel():
                     kv.release_one(ev.rows, ev.layers, ev.positions)

@@ -193,9 +193,10 @@ class KVPolicy:
         return None
 
     def decode_evictions(self, seqs: list[Sequence], kv: KVCache, rows: torch.Tensor,
-                         queries: dict[int, torch.Tensor]) -> Evictions | None:
+                         queries: dict[int, torch.Tensor], positions: torch.Tensor | None = None) -> Evictions | None:
         """Releases after a decode step (``rows [B]``: the batch's cache rows; ``queries``: layer ->
-        ``[B, Hq, D]`` when the spec records them). None: nothing to release."""
+        ``[B, Hq, D]`` when the spec records them; ``positions [B]`` int64: each new token's
+        position, ``num_tokens - 1``, computed from ``seqs`` when None). None: nothing to release."""
         return None
 
     def hold_budget(self, seq: Sequence, kv: KVCache, budget: float) -> None:

@@ -211,7 +211,7 @@ class ScoredPolicy(KVPolicy):
         every scored one (default: unchanged; H2O protects a recent window)."""
         return scores
 
-    def decode_evictions(self, seqs, kv, rows, queries):
+    def decode_evictions(self, seqs, kv, rows, queries, positions=None):
         """After each decode step: the new token's score, then in every layer over its quota the
         lowest-scoring kept tokens (the new one included) are released, for the whole batch in
         one ``argmin``. The papers evict per token too (H2O Algorithm 1, StreamingLLM's rolling
@@ -219,11 +219,12 @@ class ScoredPolicy(KVPolicy):
         swap-remove: the new token moves into the hole the released entry leaves, so no page is
         opened or emptied except when a layer's quota grows."""
         L = kv.cfg.num_layers
-        positions = torch.tensor([s.num_tokens - 1 for s in seqs], dtype=torch.int64)
+        if positions is None:
+            positions = torch.tensor([s.num_tokens - 1 for s in seqs], dtype=torch.int64)
         table = self.scores(kv)
         table[rows[:, None], torch.arange(L)[None, :], positions[:, None]] = self.decode_scores(seqs, positions, L)
         self.observe_decode_batch(seqs, kv, rows, positions, queries)
-        quotas = self._decode_quotas(seqs, kv, rows)                                  # [B, L]
+        quotas = self._decode_quotas(seqs, kv, rows, positions)                       # [B, L]
         over = kv.blocks.kept_counts(rows) - quotas
         if not bool((over > 0).any()):
             return None
@@ -242,7 +243,7 @@ class ScoredPolicy(KVPolicy):
             actions.append((seqs[int(bi[i])], KVAction(int(li[i]), tuple(pos.tolist()), Precision.RELEASED)))
         return Evictions(r[single], li[single], drop, tuple(actions))
 
-    def _decode_quotas(self, seqs, kv, rows) -> torch.Tensor:
+    def _decode_quotas(self, seqs, kv, rows, positions: torch.Tensor) -> torch.Tensor:
         """``[B, L]`` tokens each layer may keep now; a sequence's quotas are recomputed only when
         they can change (budget mode: its page count; prefill-token mode: they grow by one per
         generated token, from a fixed split)."""
@@ -252,8 +253,7 @@ class ScoredPolicy(KVPolicy):
             self._quota = torch.zeros(cfg.max_num_seqs, cfg.num_layers, dtype=torch.int64)
             self._quota_key = [None] * cfg.max_num_seqs
         extra = torch.zeros(len(seqs), dtype=torch.int64)
-        for i, (seq, row) in enumerate(zip(seqs, rows.tolist())):
-            n = seq.num_tokens
+        for i, (seq, row, n) in enumerate(zip(seqs, rows.tolist(), (positions + 1).tolist())):
             if self.prefill_tokens is None:
                 key = (seq.request_id, seq.kv_budget, -(-n // cfg.block_size))
             else:

@@ -102,8 +102,8 @@ class PrefillDecodePolicy(KVPolicy):
     def decode_targets(self, seqs, kv: KVCache):
         return self.decode.decode_targets(seqs, kv)
 
-    def decode_evictions(self, seqs, kv, rows, queries):
-        return self.decode.decode_evictions(seqs, kv, rows, queries)
+    def decode_evictions(self, seqs, kv, rows, queries, positions=None):
+        return self.decode.decode_evictions(seqs, kv, rows, queries, positions)
 
     def hold_budget(self, seq: Sequence, kv: KVCache, budget: float) -> None:
         """Until the sequence holds at most ``budget`` x full-KV bytes: while the decode side's state
