@@ -608,14 +608,15 @@ class LLMEngine:
                 m.kv_ratio_max = ratio
         seq.output_token_ids.append(token)
         n += 1
-        tagger = seq.policy_state.get("tagger")
+        state = seq.policy_state   # (membership and indexing: no call for policies without tags)
+        tagger = state["tagger"] if "tagger" in state else None
         if tagger is not None:  # PASK: the token's structural bucket, used when its KV is stored
-            seq.policy_state.setdefault("tags", {})[n - 1] = tagger.feed_bucket(self._token_text[token])
+            state.setdefault("tags", {})[n - 1] = tagger.feed_bucket(self._token_text[token])
         p = seq.params
         if seq.matcher is not None and not seq.matcher.is_terminated():
             seq.matcher.accept_token(token)
         stop_token = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
-        searched = len(seq.text)
+        searched = len(seq.text) if p.stop else 0
         if not stop_token or (p.include_stop_str_in_output and token in p.stop_token_ids):
             seq.text += seq.detokenizer.add(token)   # a stop token is not part of the text unless asked for (vLLM)
         # Only where a stop string could end in the new text (the text before was searched).
@@ -629,7 +630,7 @@ class LLMEngine:
         reason = None
         if stop_token or (seq.matcher is not None and seq.matcher.is_terminated()):
             reason = "stop"
-        elif len(seq.output_token_ids) >= p.max_tokens or n >= self.max_model_len:
+        elif n - seq.num_prompt_tokens >= p.max_tokens or n >= self.max_model_len:   # n - prompt: outputs
             reason = "length"
         if reason:
             seq.text = seq.detokenizer.flush()   # with a character cut off by the end, if any

@@ -93,6 +93,11 @@ class Sequence:
     # yet. The next step feeds them after that token as one chunk and keeps those the model then
     # samples itself, in order (``LLMEngine._verify_draft``).
     draft_token_ids: list[int] = field(default_factory=list)
+    # len(prompt_token_ids), which never changes: read for every sequence on every step.
+    num_prompt_tokens: int = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -100,7 +105,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
     def is_finished(self) -> bool:
@@ -145,7 +150,7 @@ class RequestOutput:
         seq.sent_tokens = n
         lps = seq.logprobs
         return cls(seq.request_id, new_text, seq.output_token_ids[k:], done, seq.finish_reason,
-                   len(seq.prompt_token_ids), n, seq.metrics.snapshot(),
+                   seq.num_prompt_tokens, n, seq.metrics.snapshot(),
                    None if lps is None else lps[k:],
                    text if done else None, list(seq.output_token_ids) if done else None,
                    None if lps is None or not done else list(lps))
