@@ -209,6 +209,16 @@ def test_fused_cpu_kernel_serves_the_cpu_and_equals_the_reference(monkeypatch):
         real(q, [(*pool, table.long(), torch.tensor([40, 17, 0], dtype=torch.int32), 8)])
 
 
+def test_fused_cpu_kernel_build_failure_names_the_compiler(monkeypatch, tmp_path):
+    """A compiler that fails is reported with its command and output (the engine then logs it
+    and keeps the reference), and nothing half-built is left in the cache."""
+    monkeypatch.setenv("CC", "/bin/false")
+    monkeypatch.setenv("STRUCTKV_CACHE_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match="/bin/false .* failed"):
+        cpu_attention._build()
+    assert not list(tmp_path.glob("*.so"))
+
+
 def test_registry_uses_reference_off_cuda():
     assert kernels.get_kernel("paged_decode_attention", torch.device("cpu")) is paged_decode_attention_ref
     with pytest.raises(ValueError, match="bits must be"):
