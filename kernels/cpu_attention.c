@@ -143,6 +143,17 @@ static inline __attribute__((always_inline)) __m256 exp8_nonpositive(__m256 x) {
 }
 #endif
 
+/* Row b's entries are its pools' in order, then the extra entry (part pi == num_pools). Sets
+ * [lo, hi): the part's own indices that fall in the range [i0, i1) of the row's entries, and moves
+ * *at (the part's first index in the row) past the part. */
+static inline void part_range(const pool_t *pools, int num_pools, int has_extra, int b, int pi, int64_t i0,
+                              int64_t i1, int64_t *at, int64_t *lo, int64_t *hi) {
+    const int64_t len = pi < num_pools ? pools[pi].lens[b] : has_extra;
+    *lo = i0 > *at ? i0 - *at : 0;
+    *hi = i1 - *at < len ? i1 - *at : len;
+    *at += len;
+}
+
 /* Walks a row's slots in order, page by page (no division per entry). */
 typedef struct { const int32_t *page; int64_t slot, end; } cursor_t;
 
@@ -187,9 +198,8 @@ static inline __attribute__((always_inline)) void value_sweep(
     const float *s0 = scores + j * n, *s1 = two ? scores + (j + 1) * n : s0;
     int64_t at = 0, idx = 0;
     for (int pi = 0; pi <= num_pools; pi++) {
-        int64_t len = pi < num_pools ? pools[pi].lens[b] : has_extra;
-        int64_t lo = i0 > at ? i0 - at : 0, hi = i1 - at < len ? i1 - at : len;
-        at += len;
+        int64_t lo, hi;
+        part_range(pools, num_pools, has_extra, b, pi, i0, i1, &at, &lo, &hi);
         if (lo >= hi) continue;
         if (pi == num_pools) {
             const float *x = ev + ((int64_t)b * hkv + h) * d + dc;
@@ -242,10 +252,8 @@ static inline __attribute__((always_inline)) void attend_range(const float *q, i
     /* Pass 1: scores [Hq, n]. */
     int64_t at = 0, idx = 0;
     for (int pi = 0; pi <= num_pools; pi++) {
-        int64_t len;
-        if (pi < num_pools) len = pools[pi].lens[b];
-        else len = has_extra;
-        int64_t lo = i0 > at ? i0 - at : 0, hi = i1 - at < len ? i1 - at : len;
+        int64_t lo, hi;
+        part_range(pools, num_pools, has_extra, b, pi, i0, i1, &at, &lo, &hi);
         if (pi == num_pools) {
             for (int64_t t = lo; t < hi; t++, idx++)
                 for (int j = 0; j < hq; j++)
@@ -286,7 +294,6 @@ static inline __attribute__((always_inline)) void attend_range(const float *q, i
                 }
             }
         }
-        at += len;
     }
     /* Softmax pieces per query head. */
     for (int j = 0; j < hq; j++) {
@@ -329,10 +336,8 @@ static inline __attribute__((always_inline)) void attend_range(const float *q, i
     /* Pass 2: weighted values. */
     at = 0, idx = 0;
     for (int pi = 0; pi <= num_pools; pi++) {
-        int64_t len;
-        if (pi < num_pools) len = pools[pi].lens[b];
-        else len = has_extra;
-        int64_t lo = i0 > at ? i0 - at : 0, hi = i1 - at < len ? i1 - at : len;
+        int64_t lo, hi;
+        part_range(pools, num_pools, has_extra, b, pi, i0, i1, &at, &lo, &hi);
         if (pi == num_pools) {
             for (int64_t t = lo; t < hi; t++, idx++)
                 for (int j = 0; j < hq; j++)
@@ -351,7 +356,6 @@ static inline __attribute__((always_inline)) void attend_range(const float *q, i
                 }
             }
         }
-        at += len;
     }
 }
 
