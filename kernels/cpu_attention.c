@@ -17,8 +17,9 @@
  *          byte: element 2i in the low nibble, 2i + 1 in the high one, both two's complement).
  *   scale  pool p (quantized): [pages, bs, Hkv] float32.
  *   table  pool p: [B, W_p] int32 page ids; lens pool p: [B] int32 entries in slot order.
- *   extra  k, v [B, Hkv, D] float32 and mask [B] uint8: one more entry per row where mask is set.
  *   out    [B, Hq, D] float32 (zeros for a row with no entry).
+ * (The step's own token, attended at full precision, comes as one more HIGH pool of one-slot pages:
+ * the operator builds it, so the kernel has no special case for it.)
  */
 #include <math.h>
 #include <stdint.h>
@@ -143,12 +144,11 @@ static inline __attribute__((always_inline)) __m256 exp8_nonpositive(__m256 x) {
 }
 #endif
 
-/* Row b's entries are its pools' in order, then the extra entry (part pi == num_pools). Sets
- * [lo, hi): the part's own indices that fall in the range [i0, i1) of the row's entries, and moves
- * *at (the part's first index in the row) past the part. */
-static inline void part_range(const pool_t *pools, int num_pools, int has_extra, int b, int pi, int64_t i0,
-                              int64_t i1, int64_t *at, int64_t *lo, int64_t *hi) {
-    const int64_t len = pi < num_pools ? pools[pi].lens[b] : has_extra;
+/* Row b's entries are its pools' in order. Sets [lo, hi): pool pi's own indices that fall in the
+ * range [i0, i1) of the row's entries, and moves *at (the pool's first index in the row) past it. */
+static inline void part_range(const pool_t *pools, int b, int pi, int64_t i0, int64_t i1, int64_t *at, int64_t *lo,
+                              int64_t *hi) {
+    const int64_t len = pools[pi].lens[b];
     *lo = i0 > *at ? i0 - *at : 0;
     *hi = i1 - *at < len ? i1 - *at : len;
     *at += len;
@@ -192,27 +192,15 @@ static inline __attribute__((always_inline)) __m256 load8(const void *x, int bit
  * weighted sum of the range's values held in eight registers over the whole range, written to
  * ``acc``. (Per entry and head the row slice is read once for both query heads.) */
 static inline __attribute__((always_inline)) void value_sweep(
-        int b, int hkv, int d, const pool_t *pools, int num_pools, const float *ev, int has_extra, int64_t i0,
-        int64_t i1, const float *scores, int64_t n, int h, int dc, int j, int two, float *acc) {
+        int b, int hkv, int d, const pool_t *pools, int num_pools, int64_t i0, int64_t i1, const float *scores,
+        int64_t n, int h, int dc, int j, int two, float *acc) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
     const float *s0 = scores + j * n, *s1 = two ? scores + (j + 1) * n : s0;
     int64_t at = 0, idx = 0;
-    for (int pi = 0; pi <= num_pools; pi++) {
+    for (int pi = 0; pi < num_pools; pi++) {
         int64_t lo, hi;
-        part_range(pools, num_pools, has_extra, b, pi, i0, i1, &at, &lo, &hi);
+        part_range(pools, b, pi, i0, i1, &at, &lo, &hi);
         if (lo >= hi) continue;
-        if (pi == num_pools) {
-            const float *x = ev + ((int64_t)b * hkv + h) * d + dc;
-            __m256 w0 = _mm256_set1_ps(s0[idx]), w1 = _mm256_set1_ps(s1[idx]);
-            __m256 x0 = _mm256_loadu_ps(x), x1 = _mm256_loadu_ps(x + 8), x2 = _mm256_loadu_ps(x + 16),
-                   x3 = _mm256_loadu_ps(x + 24);
-            a0 = _mm256_fmadd_ps(w0, x0, a0); a1 = _mm256_fmadd_ps(w0, x1, a1);
-            a2 = _mm256_fmadd_ps(w0, x2, a2); a3 = _mm256_fmadd_ps(w0, x3, a3);
-            c0 = _mm256_fmadd_ps(w1, x0, c0); c1 = _mm256_fmadd_ps(w1, x1, c1);
-            c2 = _mm256_fmadd_ps(w1, x2, c2); c3 = _mm256_fmadd_ps(w1, x3, c3);
-            idx++;
-            break;
-        }
         const pool_t *p = &pools[pi];
         const int bits = p->bits;
         const int64_t dk = bits == 4 ? d / 2 : d, ck = bits == 4 ? dc / 2 : dc;
@@ -241,25 +229,19 @@ static inline __attribute__((always_inline)) void value_sweep(
 }
 #endif
 
-/* One work item: entries [i0, i1) of row b (pools in order, then the extra entry). Writes the
+/* One work item: entries [i0, i1) of row b (its pools' in order). Writes the
  * partial max m[Hq], sum l[Hq] and unnormalized acc[Hq, D]. */
 static inline __attribute__((always_inline)) void attend_range(const float *q, int b, int hq, int hkv, int d, const pool_t *pools, int num_pools,
-                         const float *ek, const float *ev, int has_extra, int64_t i0, int64_t i1, float sm_scale,
+                         int64_t i0, int64_t i1, float sm_scale,
                          float *scores, float *m, float *l, float *acc, float *row, float *rscale) {
     const int g = hq / hkv;
     const int64_t n = i1 - i0;
     const float *qb = q + (int64_t)b * hq * d;
     /* Pass 1: scores [Hq, n]. */
     int64_t at = 0, idx = 0;
-    for (int pi = 0; pi <= num_pools; pi++) {
+    for (int pi = 0; pi < num_pools; pi++) {
         int64_t lo, hi;
-        part_range(pools, num_pools, has_extra, b, pi, i0, i1, &at, &lo, &hi);
-        if (pi == num_pools) {
-            for (int64_t t = lo; t < hi; t++, idx++)
-                for (int j = 0; j < hq; j++)
-                    scores[j * n + idx] = sm_scale * dot_f32(qb + j * d, ek + ((int64_t)b * hkv + j / g) * d, d);
-            break;
-        }
+        part_range(pools, b, pi, i0, i1, &at, &lo, &hi);
         const pool_t *p = &pools[pi];
         cursor_t c = cursor_at(p, b, lo);
         int64_t t = lo;
@@ -328,22 +310,15 @@ static inline __attribute__((always_inline)) void attend_range(const float *q, i
         for (int h = 0; h < hkv; h++)
             for (int dc = 0; dc < d; dc += 32)
                 for (int j = h * g; j < (h + 1) * g; j += 2)
-                    value_sweep(b, hkv, d, pools, num_pools, ev, has_extra, i0, i1, scores, n, h, dc, j,
-                                j + 1 < (h + 1) * g, acc);
+                    value_sweep(b, hkv, d, pools, num_pools, i0, i1, scores, n, h, dc, j, j + 1 < (h + 1) * g, acc);
         return;
     }
 #endif
     /* Pass 2: weighted values. */
     at = 0, idx = 0;
-    for (int pi = 0; pi <= num_pools; pi++) {
+    for (int pi = 0; pi < num_pools; pi++) {
         int64_t lo, hi;
-        part_range(pools, num_pools, has_extra, b, pi, i0, i1, &at, &lo, &hi);
-        if (pi == num_pools) {
-            for (int64_t t = lo; t < hi; t++, idx++)
-                for (int j = 0; j < hq; j++)
-                    axpy_f32(acc + j * d, scores[j * n + idx], ev + ((int64_t)b * hkv + j / g) * d, d);
-            break;
-        }
+        part_range(pools, b, pi, i0, i1, &at, &lo, &hi);
         const pool_t *p = &pools[pi];
         cursor_t c = cursor_at(p, b, lo);
         for (int64_t t = lo; t < hi; t++, idx++) {
@@ -361,10 +336,10 @@ static inline __attribute__((always_inline)) void attend_range(const float *q, i
 
 /* attend_range with the head dimension known at compile time for the common sizes (the dot
  * products and row conversions unroll into whole vectors), else at run time. */
-#define ATTEND_D(D) attend_range(q, b, hq, hkv, D, pools, num_pools, ek, ev, has_extra, i0, i1, sm_scale, \
+#define ATTEND_D(D) attend_range(q, b, hq, hkv, D, pools, num_pools, i0, i1, sm_scale, \
                                  scores, m, l, acc, row, rscale)
 static void attend_range_any(const float *q, int b, int hq, int hkv, int d, const pool_t *pools, int num_pools,
-                             const float *ek, const float *ev, int has_extra, int64_t i0, int64_t i1, float sm_scale,
+                             int64_t i0, int64_t i1, float sm_scale,
                              float *scores, float *m, float *l, float *acc, float *row, float *rscale) {
     switch (d) {
     case 32: ATTEND_D(32); break;
@@ -379,8 +354,8 @@ static void attend_range_any(const float *q, int b, int hq, int hkv, int d, cons
  * OpenMP threads (the caller's torch.get_num_threads(): the calling thread's own setting may differ).
  * Returns 0, 1 for a bad shape, 2 when out of memory. */
 int structkv_paged_decode_attention_pools(const float *q, int32_t batch, int32_t hq, int32_t hkv, int32_t d,
-                                          const pool_t *pools, int32_t num_pools, const float *ek, const float *ev,
-                                          const uint8_t *emask, float sm_scale, int32_t splits, int32_t min_split,
+                                          const pool_t *pools, int32_t num_pools, float sm_scale, int32_t splits,
+                                          int32_t min_split,
                                           int32_t num_threads, float *out) {
     if (batch <= 0) return 0;
     if (hq % hkv || d % 2 || splits < 1) return 1;
@@ -390,7 +365,7 @@ int structkv_paged_decode_attention_pools(const float *q, int32_t batch, int32_t
     if (!total || !nsplit || !first) { free(total); free(nsplit); free(first); return 2; }
     first[0] = 0;
     for (int b = 0; b < batch; b++) {
-        int64_t n = (ek && emask[b]) ? 1 : 0;
+        int64_t n = 0;
         for (int p = 0; p < num_pools; p++) n += pools[p].lens[b];
         total[b] = n;
         int64_t s = splits;
@@ -429,8 +404,7 @@ int structkv_paged_decode_attention_pools(const float *q, int32_t batch, int32_t
                 if (!scores) { cap = 0; err = 2; continue; }
             }
             if (!row) continue;
-            attend_range_any(q, b, hq, hkv, d, pools, num_pools, ek, ev, ek ? emask[b] : 0, i0, i1, sm_scale,
-                         scores, m, l, acc, row, rscale);
+            attend_range_any(q, b, hq, hkv, d, pools, num_pools, i0, i1, sm_scale, scores, m, l, acc, row, rscale);
         }
         free(scores);
         free(row);

@@ -141,8 +141,7 @@ def paged_decode_attention_pools_cpu(q: torch.Tensor, pools, extra_kv=None,
         raise RuntimeError("the fused CPU decode attention is not available")
     ks, vs, kss, vss, tables, lens, bits = zip(*pools) if pools else ((),) * 7
     ek, ev, em = extra_kv if extra_kv is not None else (None, None, None)
-    return op(q.contiguous(), ks, vs, [s if s is not None else k for s, k in zip(kss, ks)],
-              [s if s is not None else v for s, v in zip(vss, vs)], tables, lens, bits,
+    return op(q.contiguous(), ks, vs, kss, vss, tables, lens, bits,
               None if ek is None else ek.float().contiguous(), None if ev is None else ev.float().contiguous(),
               None if em is None else em.contiguous(), sm_scale if sm_scale is not None else q.shape[-1] ** -0.5,
               MIN_SPLIT_ENTRIES)

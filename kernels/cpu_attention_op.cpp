@@ -4,6 +4,7 @@
 // hands raw pointers to the C kernel. See kernels/cpu_attention.py for the contract.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
@@ -24,9 +25,8 @@ typedef struct {
 } pool_t;
 
 int structkv_paged_decode_attention_pools(const float *q, int32_t batch, int32_t hq, int32_t hkv, int32_t d,
-                                          const pool_t *pools, int32_t num_pools, const float *ek, const float *ev,
-                                          const uint8_t *emask, float sm_scale, int32_t splits, int32_t min_split,
-                                          int32_t num_threads, float *out);
+                                          const pool_t *pools, int32_t num_pools, float sm_scale, int32_t splits,
+                                          int32_t min_split, int32_t num_threads, float *out);
 }
 
 namespace {
@@ -35,8 +35,10 @@ c10::ScalarType data_dtype(int64_t bits) {
     return bits == 0 ? at::kFloat : bits == 8 ? at::kChar : at::kByte;
 }
 
+using OptionalTensors = c10::List<std::optional<at::Tensor>>;
+
 at::Tensor paged_decode_attention_pools(const at::Tensor& q, at::TensorList k, at::TensorList v,
-                                        at::TensorList k_scale, at::TensorList v_scale,
+                                        const OptionalTensors& k_scale, const OptionalTensors& v_scale,
                                         at::TensorList block_tables, at::TensorList lens,
                                         at::IntArrayRef bits, const std::optional<at::Tensor>& extra_k,
                                         const std::optional<at::Tensor>& extra_v,
@@ -48,7 +50,7 @@ at::Tensor paged_decode_attention_pools(const at::Tensor& q, at::TensorList k, a
     const size_t n = k.size();
     TORCH_CHECK(v.size() == n && k_scale.size() == n && v_scale.size() == n && block_tables.size() == n &&
                 lens.size() == n && bits.size() == n, "every per-pool list must have ", n, " entries");
-    std::vector<pool_t> pools(n);
+    std::vector<pool_t> pools(n, pool_t{});
     int64_t hkv = -1;
     for (size_t i = 0; i < n; i++) {
         const int64_t bi = bits[i];
@@ -68,17 +70,19 @@ at::Tensor paged_decode_attention_pools(const at::Tensor& q, at::TensorList k, a
                     t.scalar_type());
         TORCH_CHECK(l.dim() == 1 && l.size(0) == b && l.scalar_type() == at::kInt && l.is_contiguous(),
                     "pool ", i, ": lens must be contiguous int32 [B=", b, "], got ", l.sizes(), " ", l.scalar_type());
+        const float *ks = nullptr, *vs = nullptr;
         if (bi) {
+            const std::optional<at::Tensor> kso = k_scale.get(i), vso = v_scale.get(i);
             auto want = k[i].sizes().slice(0, 3);
-            TORCH_CHECK(k_scale[i].sizes() == want && v_scale[i].sizes() == want &&
-                        k_scale[i].scalar_type() == at::kFloat && v_scale[i].scalar_type() == at::kFloat &&
-                        k_scale[i].is_contiguous() && v_scale[i].is_contiguous(),
+            TORCH_CHECK(kso.has_value() && vso.has_value() && kso->sizes() == want && vso->sizes() == want &&
+                        kso->scalar_type() == at::kFloat && vso->scalar_type() == at::kFloat &&
+                        kso->is_contiguous() && vso->is_contiguous(),
                         "pool ", i, ": scales must be contiguous float32 ", want);
+            ks = kso->data_ptr<float>();
+            vs = vso->data_ptr<float>();
         }
-        pools[i] = pool_t{k[i].data_ptr(), v[i].data_ptr(),
-                          bi ? k_scale[i].data_ptr<float>() : nullptr, bi ? v_scale[i].data_ptr<float>() : nullptr,
-                          t.data_ptr<int32_t>(), l.data_ptr<int32_t>(), t.size(1), static_cast<int32_t>(bi),
-                          static_cast<int32_t>(k[i].size(1))};
+        pools[i] = pool_t{k[i].data_ptr(), v[i].data_ptr(), ks, vs, t.data_ptr<int32_t>(), l.data_ptr<int32_t>(),
+                          t.size(1), static_cast<int32_t>(bi), static_cast<int32_t>(k[i].size(1))};
     }
     const bool extra = extra_k.has_value();
     TORCH_CHECK(extra == extra_v.has_value() && extra == extra_mask.has_value(),
@@ -93,6 +97,15 @@ at::Tensor paged_decode_attention_pools(const at::Tensor& q, at::TensorList k, a
                     "extra_mask must be contiguous bool [B], got ", em.sizes(), " ", em.scalar_type());
         hkv = ek.size(1);
     }
+    // The step's own token: one more HIGH pool whose page b is row b's token (attended last, as the
+    // reference does), kept only where extra_mask is set. The kernel needs no special case for it.
+    at::Tensor extra_table, extra_lens;
+    if (extra && b > 0) {
+        extra_table = at::arange(b, q.options().dtype(at::kInt)).view({b, 1});
+        extra_lens = extra_mask->to(at::kInt);
+        pools.push_back(pool_t{extra_k->data_ptr(), extra_v->data_ptr(), nullptr, nullptr,
+                               extra_table.data_ptr<int32_t>(), extra_lens.data_ptr<int32_t>(), 1, 0, 1});
+    }
     if (hkv < 0 || b == 0) return at::zeros({b, hq, d}, q.options());
     TORCH_CHECK(hq % hkv == 0, "query heads (", hq, ") must be a multiple of KV heads (", hkv, ")");
     at::Tensor out = at::empty({b, hq, d}, q.options());
@@ -101,9 +114,7 @@ at::Tensor paged_decode_attention_pools(const at::Tensor& q, at::TensorList k, a
     const int64_t threads = at::get_num_threads();
     const int64_t splits = std::max<int64_t>(1, (2 * threads + b - 1) / b);
     const int rc = structkv_paged_decode_attention_pools(
-        q.data_ptr<float>(), b, hq, hkv, d, pools.data(), static_cast<int32_t>(n),
-        extra ? extra_k->data_ptr<float>() : nullptr, extra ? extra_v->data_ptr<float>() : nullptr,
-        extra ? reinterpret_cast<const uint8_t*>(extra_mask->data_ptr<bool>()) : nullptr,
+        q.data_ptr<float>(), b, hq, hkv, d, pools.data(), static_cast<int32_t>(pools.size()),
         static_cast<float>(sm_scale), static_cast<int32_t>(splits), static_cast<int32_t>(min_split),
         static_cast<int32_t>(threads), out.data_ptr<float>());
     TORCH_CHECK(rc == 0, "fused CPU decode attention failed (code ", rc, ": 1 bad shape, 2 out of memory)");
@@ -113,7 +124,7 @@ at::Tensor paged_decode_attention_pools(const at::Tensor& q, at::TensorList k, a
 }  // namespace
 
 TORCH_LIBRARY(structkv, m) {
-    m.def("paged_decode_attention_pools(Tensor q, Tensor[] k, Tensor[] v, Tensor[] k_scale, Tensor[] v_scale, "
+    m.def("paged_decode_attention_pools(Tensor q, Tensor[] k, Tensor[] v, Tensor?[] k_scale, Tensor?[] v_scale, "
           "Tensor[] block_tables, Tensor[] lens, int[] bits, Tensor? extra_k, Tensor? extra_v, "
           "Tensor? extra_mask, float sm_scale, int min_split=256) -> Tensor");
 }

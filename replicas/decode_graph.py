@@ -100,12 +100,12 @@ class DecodeGraph:
         def attention(layer, q, k, v):
             for i, pool in enumerate(pools):
                 kv_store.store_slots(pool.k, pool.v, pool.k_scale, pool.v_scale, slots[i, layer], k, v, pool.bits)
-            if self.fused:   # one opaque call to the fused C kernel (a HIGH pool's scales are unread)
+            if self.fused:   # one opaque call to the fused C kernel
                 return torch.ops.structkv.paged_decode_attention_pools(
-                    q.contiguous(), [p.k for p in pools], [p.v for p in pools],
-                    [p.k_scale if p.bits else p.k for p in pools], [p.v_scale if p.bits else p.v for p in pools],
-                    [t[layer] for t in tables], [lens[i, layer] for i in range(len(pools))], [p.bits for p in pools],
-                    k.contiguous(), v.contiguous(), self_rows[layer], q.shape[-1] ** -0.5).to(q.dtype)
+                    q.contiguous(), [p.k for p in pools], [p.v for p in pools], [p.k_scale for p in pools],
+                    [p.v_scale for p in pools], [t[layer] for t in tables], [lens[i, layer] for i in range(len(pools))],
+                    [p.bits for p in pools], k.contiguous(), v.contiguous(), self_rows[layer],
+                    q.shape[-1] ** -0.5).to(q.dtype)
             return attend_pools(q, pools, [t[layer] for t in tables], [lens[i, layer] for i in range(len(pools))],
                                 (k, v, self_rows[layer]) if self.with_self else None, static=True)
 
