@@ -148,7 +148,9 @@ def run_ours(model: str, prompt_len: int, batch: int, gen: int, repeats: int, po
     t_first, t_full = _measure(timed, gen, repeats, stop)   # (its warm-up compiles a decode graph)
     return {"t_first_s": t_first, "t_full_s": t_full, "kv_peak_bytes": kv_peak[0], "rss_peak_bytes": peak[0],
             "gpu_peak_bytes": _gpu_peak(), "max_batch": max_batch[0], "kv_pool_bytes": kv_bytes,
-            "mean_prompt_tokens": statistics.mean(lens), "requests": requests}
+            "mean_prompt_tokens": statistics.mean(lens), "requests": requests,
+            # decode steps the compiled graph ran (0 eager, or where it failed and the engine fell back)
+            "graph_steps": engine.runner.graph.calls if engine.runner.graph is not None else None}
 
 
 def run_hf(model: str, prompt_len: int, batch: int, gen: int, repeats: int, policy: str = "full",

@@ -373,7 +373,9 @@ if triton is not None:
             scores = _dot(q_a, tl.trans(k_a), IEEE, DT)
             if BITS == 4:
                 scores += _dot(q_b, tl.trans(k_b), IEEE, DT)
-            scores = tl.where(tmask[None, :], scores * sm_scale, float("-inf"))
+            # Cast back: inside a compiled graph inductor passes a symbolic sm_scale as float64,
+            # which made the loop-carried m_i float64, a Triton compile error (H200, 2026-12-04).
+            scores = tl.where(tmask[None, :], (scores * sm_scale).to(tl.float32), float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(scores - m_new[:, None])
