@@ -451,7 +451,7 @@ class Grammar:
 
     def accepts(self, text: str) -> bool:
         m = self.new()
-        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        ids = self.tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         return all(m.accept_token(t) for t in ids) and m.accept_token(self.eos)
 
     def guided(self, x) -> str | None:
@@ -465,7 +465,7 @@ class Grammar:
         return None
 
     def _emit(self, m, text: str) -> int | None:
-        ids = self.tok(text, add_special_tokens=False)["input_ids"] if text else []
+        ids = self.tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] if text else []
         for k, t in enumerate(ids):
             if not m.accept_token(t):
                 m.rollback(k)

@@ -69,9 +69,9 @@ class ForcedTokenizer:
 
     def _encode(self, text: str):
         if getattr(self.tokenizer, "is_fast", False):
-            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            enc = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
             return enc["input_ids"], enc["offset_mapping"]
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"], None
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"], None
 
 
 def forced_tokens(matcher, encode: Callable[[str], list[int]], max_tokens: int) -> list[int]:

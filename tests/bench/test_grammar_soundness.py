@@ -144,3 +144,15 @@ def test_reference_reads_pattern_properties_as_ecma_in_additional_properties():
     assert gs.is_valid(v, {"a1": 1}) and not gs.is_valid(v, {"a1": "x"})
     assert not gs.is_valid(v, {"\u0e53\u0e53": 1})   # Thai digits: \d in Python's re, not in ECMA
     assert gs.is_valid(gs.validator({**schema, "additionalProperties": {"type": "string"}}), {"\u0e53\u0e53": "x"})
+
+
+def test_text_naming_a_special_token_is_fed_as_characters(compiler):
+    """A string that spells a special token (``"<|im_end|>"``) is characters to the grammar, as
+    the model writes it: the checker tokenizes with special tokens split (CI drew such a key from
+    hypothesis's constants pool for JSONSchemaBench Github_easy #1231 and called it rejected)."""
+    tok, gc = compiler
+    schema = {"type": "object", "additionalProperties": {"type": "array"}}
+    g = gs.Grammar(gc, tok, schema)
+    assert g.accepts('{"<|im_end|>": []}') and g.guided({"<|im_end|>": []}) == '{"<|im_end|>": []}'
+    rec = gs.check_instances(g, gs.validator(schema), [{"<|im_end|>": []}], [], schema)
+    assert rec["valid_rejected"] == 0
