@@ -287,6 +287,7 @@ class LLMEngine:
         seq.detokenizer = IncrementalDetokenizer(self._detokenize, self._token_bytes)
         if spec.needs_tags:
             seq.policy_state["tagger"] = _tagger_for(grammar)
+            seq.policy_state["tags"] = {}   # position -> bucket of each tagged output token
             seq.policy_state["prompt_labels"] = labels
         self._seqs[request_id] = seq
         if grammar is None or compile_grammar:
@@ -446,8 +447,8 @@ class LLMEngine:
             decode = [s for s in decode if not s.draft_token_ids]
         plan = None
         if decode:
-            targets = self.policy.decode_targets(decode, kv)
             lengths = [s.num_tokens for s in decode]
+            targets = self.policy.decode_targets(decode, kv, lengths)
             positions = torch.tensor(lengths, dtype=torch.int64).sub_(1)
             plan = kv.plan_decode([s.request_id for s in decode], positions, targets)
         w = spec.observation_window
@@ -611,7 +612,7 @@ class LLMEngine:
         state = seq.policy_state   # (membership and indexing: no call for policies without tags)
         tagger = state["tagger"] if "tagger" in state else None
         if tagger is not None:  # PASK: the token's structural bucket, used when its KV is stored
-            state.setdefault("tags", {})[n - 1] = tagger.feed_bucket(self._token_text[token])
+            state["tags"][n - 1] = tagger.feed_bucket(self._token_text[token])
         p = seq.params
         if seq.matcher is not None and not seq.matcher.is_terminated():
             seq.matcher.accept_token(token)

@@ -187,9 +187,11 @@ class KVPolicy:
         :meth:`on_prefill` decides from what the forward saw."""
         return None
 
-    def decode_targets(self, seqs: list[Sequence], kv: KVCache) -> torch.Tensor | None:
+    def decode_targets(self, seqs: list[Sequence], kv: KVCache,
+                       lengths: list[int] | None = None) -> torch.Tensor | None:
         """``[B, L]`` int64 Precision each new token of the batch is stored at per layer (the token
-        each sequence feeds this step, at position ``num_tokens - 1``), or None: all HIGH."""
+        each sequence feeds this step, at position ``num_tokens - 1``; ``lengths``: each
+        sequence's ``num_tokens``, computed from ``seqs`` when None), or None: all HIGH."""
         return None
 
     def decode_evictions(self, seqs: list[Sequence], kv: KVCache, rows: torch.Tensor,

@@ -78,6 +78,18 @@ def bucket_of(tag: Tag) -> int:
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _SPACE = re.compile(r"\s")           # str.isspace, one character (the same set of code points)
+
+
+class _HasSpace(dict):
+    """Token text -> whether it holds a whitespace character, searched once per distinct text
+    (a vocabulary's worth at most): read for every generated token in free text."""
+
+    def __missing__(self, text: str) -> bool:
+        has = self[text] = _SPACE.search(text) is not None
+        return has
+
+
+_HAS_SPACE = _HasSpace()
 _ROLE_AND_RESPONSIBILITY = operator.itemgetter(0, 1)   # max() key over (role, responsibility, value type)
 
 
@@ -256,7 +268,7 @@ class StructuralTagger:
         if self._mode in ("text", "call_end"):
             if "<" in text:
                 return None
-            free = self._mode == "text" and not _SPACE.search(text)
+            free = self._mode == "text" and not _HAS_SPACE[text]
             return Role.FREE_TEXT if free else Role.WHITESPACE, Responsibility.NONE, ""
         if not self._in_string or self._escape or '"' in text or "\\" in text:   # (mode json or call)
             return None

@@ -99,8 +99,8 @@ class PrefillDecodePolicy(KVPolicy):
     def on_decode(self, view: DecodeView) -> list[KVAction]:
         return self.decode.on_decode(view)
 
-    def decode_targets(self, seqs, kv: KVCache):
-        return self.decode.decode_targets(seqs, kv)
+    def decode_targets(self, seqs, kv: KVCache, lengths=None):
+        return self.decode.decode_targets(seqs, kv, lengths)
 
     def decode_evictions(self, seqs, kv, rows, queries, positions=None):
         return self.decode.decode_evictions(seqs, kv, rows, queries, positions)

@@ -306,36 +306,49 @@ class PASKPolicy(KVPolicy):
     def layer_actions(self, table: PASKTable, k: int) -> torch.Tensor:
         """``[num_buckets, L]`` int64 decode-side action of every bucket in every layer at state
         ``k`` (the table's ``[num_buckets, G]`` row spread over each group's layers; cached)."""
-        hit = self._layer_cache.get((id(table), k))
+        return self._decode_stack(table)[k]
+
+    def _decode_stack(self, table: PASKTable) -> torch.Tensor:
+        """``[U + 1, num_buckets, L]`` int64: :meth:`layer_actions` at every decode state, built
+        once per table, so that a batch's targets are one gather."""
+        hit = self._layer_cache.get(id(table))
         if hit is None or hit[0] is not table:
             groups = torch.tensor(table.group_of_layer())
-            hit = self._layer_cache[(id(table), k)] = (table, table.decode.actions_at(k)[:, groups].contiguous())
+            stack = torch.stack([table.decode.actions_at(k)[:, groups] for k in range(table.decode.num_upgrades + 1)])
+            hit = self._layer_cache[id(table)] = (table, stack.contiguous())
         return hit[1]
 
-    def decode_targets(self, seqs, kv: KVCache) -> torch.Tensor | None:
+    def decode_targets(self, seqs, kv: KVCache, lengths: list[int] | None = None) -> torch.Tensor | None:
         """The precision of each sequence's new token per layer, looked up from its parser bucket
         (tagged when it was sampled) at the sequence's decode state: what :meth:`on_decode` would
-        demote it to, so the token is stored there directly."""
-        cells: dict = {}   # (table, decode state) -> ([batch rows], [buckets]): one lookup each
-        for i, seq in enumerate(seqs):
+        demote it to, so the token is stored there directly.
+
+        One gather for the batch: ``(state, bucket)`` rows of the table's stacked actions. The
+        per-sequence part is comprehensions over its state (no call per sequence when the engine
+        passes ``lengths``): this runs before every decode step."""
+        tracked = [(i, seq) for i, seq in enumerate(seqs) if "pask_k" in seq.policy_state]
+        if not tracked:
+            return None
+        # A budget that moved since the last step (the cluster controller, rare): a rise gives
+        # later tokens a larger decode state; a fall waits for hold_budget's demotions.
+        for _, seq in [t for t in tracked if t[1].kv_budget != t[1].policy_state["pask_budget"]]:
             state = seq.policy_state
-            k = state.get("pask_k")
-            if k is None:
-                continue
-            table = state["pask_table"]
-            if seq.kv_budget > state["pask_budget"]:  # the budget rose: later tokens get a larger state
-                k[1] = max(k[1], table.decode.state_for(seq.kv_budget))
+            if seq.kv_budget > state["pask_budget"]:
+                k = state["pask_k"]
+                k[1] = max(k[1], state["pask_table"].decode.state_for(seq.kv_budget))
             state["pask_budget"] = seq.kv_budget
-            bucket = state["tags"].get(seq.num_tokens - 1) if "tags" in state else None
-            if bucket is not None:
-                _, rows, buckets = cells.setdefault((id(table), k[1]), (table, [], []))
-                rows.append(i)
-                buckets.append(bucket)
-        if not cells:
+        at = ([(i, seq.policy_state, seq.num_tokens - 1) for i, seq in tracked] if lengths is None
+              else [(i, seq.policy_state, lengths[i] - 1) for i, seq in tracked])
+        hits = [(i, st["pask_table"], st["pask_k"][1], st["tags"][pos]) for i, st, pos in at if pos in st["tags"]]
+        if not hits:
             return None
         out = torch.full((len(seqs), kv.cfg.num_layers), int(Precision.HIGH), dtype=torch.int64)
-        for (_, k), (table, rows, buckets) in cells.items():
-            out[rows] = self.layer_actions(table, k)[buckets]
+        first = hits[0][1]
+        by_table = ([hits] if not [h for h in hits if h[1] is not first]   # one table: the common case
+                    else [[h for h in hits if h[1] is t] for t in {id(h[1]): h[1] for h in hits}.values()])
+        for group in by_table:
+            rows, _, ks, buckets = zip(*group)
+            out[list(rows)] = self._decode_stack(group[0][1])[list(ks), list(buckets)]
         return out
 
     def hold_budget(self, seq, kv: KVCache, budget: float) -> None:
