@@ -228,8 +228,10 @@ class BlockManager:
     def flat_slots(self, row: int, layers, p: Precision, slots: torch.Tensor) -> torch.Tensor:
         """Pool-flat indices (``page * block_size + offset``) of ``slots [n]`` (int64) of (row,
         ``layers``): one layer (int) or one per slot (``[n]`` int64)."""
+        # (torch.div rather than //, here and below: a tensor's // runs through a Python wrapper,
+        # five interpreter calls, on paths that run per step or per demotion)
         bs = self.block_size
-        return self.block_table[p][row, layers, slots // bs].long() * bs + slots % bs
+        return self.block_table[p][row, layers, torch.div(slots, bs, rounding_mode="floor")].long() * bs + slots % bs
 
     # ------------------------------------------------------------------ one row, several layers
     def _new_pages(self, row: int, layers: torch.Tensor, p: Precision, counts: torch.Tensor) -> torch.Tensor:
@@ -241,7 +243,7 @@ class BlockManager:
         total = self.num_slots[p][row, layers] + counts
         if bool((total > self.max_pages * self.block_size).any()):
             raise ValueError(f"row {row}: {int(total.max())} entries exceed max_model_len {self.max_model_len}")
-        return (total + self.block_size - 1) // self.block_size - self.num_pages[p][row, layers]
+        return torch.div(total + self.block_size - 1, self.block_size, rounding_mode="floor") - self.num_pages[p][row, layers]
 
     def append(self, row: int, layers, p: Precision, positions: torch.Tensor) -> torch.Tensor:
         """Place new entries at ``positions [n]`` (int64, new to their layer) after the last slot of
@@ -313,7 +315,7 @@ class BlockManager:
             self.slot_position[p][row, uniq[hu], hs] = moved
             self.location[row, uniq[hu], moved.long()] = loc_of(hs, p)
         self.num_slots[p][row, uniq] = keep_n
-        keep_pages = (keep_n + self.block_size - 1) // self.block_size
+        keep_pages = torch.div(keep_n + self.block_size - 1, self.block_size, rounding_mode="floor")
         have = self.num_pages[p][row, uniq]
         if bool((have > keep_pages).any()):
             cols = torch.arange(int(have.max()))
@@ -334,7 +336,7 @@ class BlockManager:
             m = src == int(q)
             if bool(m.any()):
                 u, c = torch.unique(layers[m], return_counts=True)
-                keep_pages = (self.num_slots[q][row, u] - c + self.block_size - 1) // self.block_size
+                keep_pages = torch.div(self.num_slots[q][row, u] - c + self.block_size - 1, self.block_size, rounding_mode="floor")
                 cost -= int((self.num_pages[q][row, u] - keep_pages).sum()) * self.page_costs[q]
         if int(need.sum()) > len(self.free_pages[p]):
             raise KVCacheOutOfMemory(f"the {p.name} pool has {len(self.free_pages[p])} free pages, "
@@ -384,11 +386,11 @@ class BlockManager:
             if num_new:
                 ids = torch.tensor(self._take(p, num_new), dtype=torch.int32)
                 ro, lo = r[opens], li[opens]
-                self.block_table[p][ro, lo, slot[opens] // bs] = ids
+                self.block_table[p][ro, lo, torch.div(slot[opens], bs, rounding_mode="floor")] = ids
                 self.num_pages[p][ro, lo] += 1
                 self.row_bytes.index_add_(0, ro, torch.full_like(ro, self.page_costs[p]))
                 self.bytes_used += num_new * self.page_costs[p]
-            flat = self.block_table[p][r, li, slot // bs].long() * bs + slot % bs
+            flat = self.block_table[p][r, li, torch.div(slot, bs, rounding_mode="floor")].long() * bs + slot % bs
             pos = positions[bi]
             self.slot_position[p][r, li, slot] = pos.to(torch.int32)
             self.location[r, li, pos] = loc_of(slot, p)
@@ -423,8 +425,8 @@ class BlockManager:
             last = self.num_slots[p][r, l] - 1
             move = hole != last
             table = self.block_table[p]
-            dst = table[r[move], l[move], hole[move] // bs].long() * bs + hole[move] % bs
-            src = table[r[move], l[move], last[move] // bs].long() * bs + last[move] % bs
+            dst = table[r[move], l[move], torch.div(hole[move], bs, rounding_mode="floor")].long() * bs + hole[move] % bs
+            src = table[r[move], l[move], torch.div(last[move], bs, rounding_mode="floor")].long() * bs + last[move] % bs
             moved_pos = self.slot_position[p][r[move], l[move], last[move]]
             self.slot_position[p][r[move], l[move], hole[move]] = moved_pos
             self.location[r[move], l[move], moved_pos.long()] = loc_of(hole[move], p)
@@ -432,7 +434,7 @@ class BlockManager:
             empty = last % bs == 0                                            # the last page emptied
             if bool(empty.any()):
                 re, le = r[empty], l[empty]
-                self.free_pages[p].extend(table[re, le, last[empty] // bs].tolist())
+                self.free_pages[p].extend(table[re, le, torch.div(last[empty], bs, rounding_mode="floor")].tolist())
                 self.num_pages[p][re, le] -= 1
                 self.row_bytes.index_add_(0, re, torch.full_like(re, -self.page_costs[p]))
                 self.bytes_used -= int(empty.sum()) * self.page_costs[p]

@@ -135,12 +135,16 @@ class _Pool:
         self.k_scale = alloc(shape[:3], dtype=torch.float32, device=cfg.device) if self.bits else None
         self.v_scale = alloc(shape[:3], dtype=torch.float32, device=cfg.device) if self.bits else None
         self.fresh_from = 0 if alloc is torch.empty else num_pages   # pages >= this never written
+        # Views ``[pages * block_size, ...]`` indexed by pool-flat slot, made once (the pools are
+        # never reallocated), so that moving entries makes no view per call.
+        flat = lambda t: None if t is None else t.view(-1, *t.shape[2:])
+        self.k_flat, self.v_flat = flat(self.k), flat(self.v)
+        self.k_scale_flat, self.v_scale_flat = flat(self.k_scale), flat(self.v_scale)
+        self.flat_tensors = [t for t in (self.k_flat, self.v_flat, self.k_scale_flat, self.v_scale_flat)
+                             if t is not None]
 
     def tensors(self):
         return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
-
-    def flat(self, t: torch.Tensor) -> torch.Tensor:
-        return t.view(-1, *t.shape[2:])
 
 
 @dataclass
@@ -185,6 +189,8 @@ class KVCache:
         self.blocks = BlockManager(cfg.num_layers, cfg.block_size, cfg.max_num_seqs, cfg.max_model_len,
                                    self._page_cost, caps, cfg.max_bytes)
         self.device = torch.device(cfg.device)
+        self._off_host = self.device.type != "cpu"   # index tensors built on the host move there
+        self._triton_store = kernels.use_triton(self.device)   # (STRUCTKV_KERNELS read once, here)
         self.prefix = None   # replicas.prefix_cache.PrefixCache, when enabled
 
     def enable_prefix_cache(self, key, shadow: bool = False, keep: int = 1) -> None:
@@ -376,31 +382,34 @@ class KVCache:
     # ------------------------------------------------------------------ writes
     def _write(self, precision: Precision, flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         pool = self.pools[precision]
-        flat = flat.to(self.device)
+        if self._off_host:
+            flat = flat.to(self.device)
         if pool.bits == 0:
-            pool.flat(pool.k)[flat] = k.to(pool.data_dtype)
-            pool.flat(pool.v)[flat] = v.to(pool.data_dtype)
-        elif kernels.use_triton(self.device):
-            kernels.quantize_store(k, pool.flat(pool.k), pool.flat(pool.k_scale), flat, pool.bits)
-            kernels.quantize_store(v, pool.flat(pool.v), pool.flat(pool.v_scale), flat, pool.bits)
+            pool.k_flat[flat] = k.to(pool.data_dtype)
+            pool.v_flat[flat] = v.to(pool.data_dtype)
+        elif self._triton_store:
+            kernels.quantize_store(k, pool.k_flat, pool.k_scale_flat, flat, pool.bits)
+            kernels.quantize_store(v, pool.v_flat, pool.v_scale_flat, flat, pool.bits)
         else:   # the reference: keys and values quantized in one call (scales are per row)
             n = k.shape[0]
             data, scale = kernels.quantize_ref(torch.cat([k, v]), pool.bits)
-            pool.flat(pool.k)[flat], pool.flat(pool.v)[flat] = data[:n], data[n:]
-            pool.flat(pool.k_scale)[flat], pool.flat(pool.v_scale)[flat] = scale[:n], scale[n:]
+            pool.k_flat[flat], pool.v_flat[flat] = data[:n], data[n:]
+            pool.k_scale_flat[flat], pool.v_scale_flat[flat] = scale[:n], scale[n:]
 
     def _read(self, precision: Precision, flat: torch.Tensor):
-        pool, flat = self.pools[precision], flat.to(self.device)
+        pool = self.pools[precision]
+        if self._off_host:
+            flat = flat.to(self.device)
         if pool.bits == 0:
-            return pool.flat(pool.k)[flat], pool.flat(pool.v)[flat]
-        return (kernels.dequantize_ref(pool.flat(pool.k)[flat], pool.flat(pool.k_scale)[flat], pool.bits, self.cfg.dtype),
-                kernels.dequantize_ref(pool.flat(pool.v)[flat], pool.flat(pool.v_scale)[flat], pool.bits, self.cfg.dtype))
+            return pool.k_flat[flat], pool.v_flat[flat]
+        return (kernels.dequantize_ref(pool.k_flat[flat], pool.k_scale_flat[flat], pool.bits, self.cfg.dtype),
+                kernels.dequantize_ref(pool.v_flat[flat], pool.v_scale_flat[flat], pool.bits, self.cfg.dtype))
 
     def _move(self, precision: Precision, dst: torch.Tensor, src: torch.Tensor) -> None:
         if dst.numel():
-            dst, src = dst.to(self.device), src.to(self.device)
-            for t in self.pools[precision].tensors():
-                f = self.pools[precision].flat(t)
+            if self._off_host:
+                dst, src = dst.to(self.device), src.to(self.device)
+            for f in self.pools[precision].flat_tensors:
                 f[dst] = f[src]
 
     def append(self, seq_id, layer: int, positions, k: torch.Tensor, v: torch.Tensor,

@@ -369,7 +369,7 @@ class PASKPolicy(KVPolicy):
             kp = state["pask_k"][0]
             prompt_level = float(state["pask_table"].prompt.upgrade_costs[kp]) if self.prompt_side else 0.0
             order = ("decode", "prompt") if self.decode_fraction(seq) >= prompt_level else ("prompt", "decode")
-            if not any(self.demote_once(seq, kv, side) for side in order):
+            if not (self.demote_once(seq, kv, order[0]) or self.demote_once(seq, kv, order[1])):
                 break
 
     def tracks(self, seq) -> bool:
@@ -386,21 +386,21 @@ class PASKPolicy(KVPolicy):
         """Undo the last upgrade of one side (``"decode"`` or ``"prompt"``) on the sequence's existing
         entries and for its later tokens. Returns False when that side is at its floors."""
         state = seq.policy_state
-        table, prompt_len = state["pask_table"], len(seq.prompt_token_ids)
+        table, prompt_len = state["pask_table"], seq.num_prompt_tokens
         index = 1 if side_name == "decode" else 0
         if state["pask_k"][index] == 0 or (index == 0 and not self.prompt_side):
             return False
         k = state["pask_k"][index] = state["pask_k"][index] - 1
-        if index == 1:
-            side, positions = table.decode, {p: b for p, b in state["tags"].items() if p >= prompt_len}
-        else:
-            side, positions = table.prompt, dict(enumerate(state.get("prompt_labels") or []))
+        side = table.decode if index == 1 else table.prompt
         bucket, group = side.upgrades[k].tolist()
-        level = Precision(int(side.actions_at(k)[bucket, group]))
-        start, end = table.layer_groups[group]
-        cell = torch.tensor([p for p, b in positions.items() if b == bucket], dtype=torch.int64)
-        if cell.numel():   # the whole group in one call (entries already at or below level stay)
-            kv.set_precision(seq.request_id, range(start, end), cell, level)
+        if index == 1:
+            cell = [p for p, b in state["tags"].items() if b == bucket and p >= prompt_len]
+        else:
+            cell = [p for p, b in enumerate(state.get("prompt_labels") or ()) if b == bucket]
+        if cell:   # the whole group in one call (entries already at or below the level stay)
+            start, end = table.layer_groups[group]
+            kv.set_precision(seq.request_id, range(start, end), torch.tensor(cell, dtype=torch.int64),
+                             int(side.actions_at(k)[bucket, group]))
         return True
 
     @staticmethod
