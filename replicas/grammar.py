@@ -65,8 +65,9 @@ _UNENFORCED = ("contains", "minContains", "maxContains", "not", "if", "then", "e
                # patternProperties keys went in untyped or not at all)
                "multipleOf", "dependentRequired", "dependencies", "patternProperties")
 # Formats xgrammar 0.2.9 checks only by shape: "2020-02-31" passed format date (and date-time).
-# hostname: a 64-character label accepted (and "A.COM", "a.com." rejected).
-_XGR_LOOSE_FORMATS = ("date", "date-time", "time", "hostname", "host-name")   # time: "23:59:60Z" accepted
+# hostname: a 64-character label accepted (and "A.COM", "a.com." rejected). email: RFC 5321
+# addresses rejected ("h@x.M.AIG", "N&@ZvIMDNu.Z.Hn": JSONSchemaBench, hypothesis' emails()).
+_XGR_LOOSE_FORMATS = ("date", "date-time", "time", "hostname", "host-name", "email", "idn-email")   # time: "23:59:60Z" accepted
 _LOOKAROUND = re.compile(r"\(\?<?[=!]")
 _NOT_SCHEMAS = ("const", "enum", "default", "examples", "description", "title", "$comment")
 _NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
@@ -386,8 +387,16 @@ _URI_REFERENCE = f"^({_URI}|{_RELATIVE})(\\?{_QUERY})?(#{_QUERY})?$"
 # not produced, the only valid ones left out). llguidance 1.9's own rejected the final dot.
 _LABEL = "[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME = f"^({_LABEL}\\.)*{_LABEL}\\.?$"
+# An e-mail address: RFC 5321's Mailbox with a Dot-string local part (atext runs joined by dots)
+# and a domain of host-name labels. `jsonschema` only asks for an "@", so this is stricter
+# (sound: every text it takes has one); it leaves out quoted local parts and address literals
+# ("[127.0.0.1]"), which a model asked for an e-mail address has no need to write. The class
+# escapes & ~ - (the regex syntax llguidance parses reads && ~~ -- in a class as set operations).
+_ATEXT = "[A-Za-z0-9!#$%\\&'*+/=?^_`{|}\\~\\-]+"
+_EMAIL = f"^{_ATEXT}(\\.{_ATEXT})*@({_LABEL}\\.)*{_LABEL}$"
 _FORMAT_PATTERNS = {"date": f"^{_DATE}$", "date-time": f"^{_DATE}[Tt]{_TIME}$", "time": f"^{_TIME}$",
-                    "uri-reference": _URI_REFERENCE, "hostname": _HOSTNAME, "host-name": _HOSTNAME}
+                    "uri-reference": _URI_REFERENCE, "hostname": _HOSTNAME, "host-name": _HOSTNAME,
+                    "email": _EMAIL, "idn-email": _EMAIL}
 _FORMAT_MAX_LENGTH = {"hostname": 253, "host-name": 253}
 
 
@@ -453,7 +462,7 @@ def _llguidance_schema(schema: Any, strict: bool) -> Any:
     """A copy of ``schema`` for llguidance: each ``oneOf`` as an exact ``anyOf`` where its
     members' overlaps can be negated in keywords llguidance enforces
     (:func:`replicas.schema_oneof.rewrite_one_of`), custom (undefined) formats dropped, ``date`` /
-    ``date-time`` / ``time`` / ``uri-reference`` / ``hostname`` as exact patterns (:data:`_FORMAT_PATTERNS`,
+    ``date-time`` / ``time`` / ``uri-reference`` / ``hostname`` / ``email`` as patterns (:data:`_FORMAT_PATTERNS`,
     where the node has no ``pattern``); with ``strict``,
     no properties beyond those named (``additionalProperties: false`` where absent, except on
     direct ``allOf`` members, which other members may extend) and no items beyond
