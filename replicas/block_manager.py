@@ -294,9 +294,13 @@ class BlockManager:
         if not slots.numel():
             empty = torch.empty(0, dtype=torch.int64)
             return empty, empty
-        lay = torch.full_like(slots, layers) if isinstance(layers, int) else layers
+        one_layer = isinstance(layers, int)
+        lay = torch.full_like(slots, layers) if one_layer else layers
         self.check_not_shared(torch.full_like(slots, row), slots, p, lay if self.has_snapshots else None)
-        uniq, inv = torch.unique(lay, return_inverse=True)
+        if one_layer:   # (the common case: one layer's page released; no sort)
+            uniq, inv = torch.tensor([layers]), torch.zeros_like(slots)
+        else:
+            uniq, inv = torch.unique(lay, return_inverse=True)
         n = self.num_slots[p][row, uniq]                                      # [U]
         width = int(n.max())
         drop = torch.zeros(uniq.shape[0], width, dtype=torch.bool)

@@ -497,7 +497,8 @@ class KVCache:
         li, pi = sel.nonzero(as_tuple=True)                                      # layer-major
         lay, pos, loc = layer_ids[li], pos[pi], loc[li, pi]
         src = loc & 3
-        sources = [p for p in BITS if bool((src == int(p)).any())]
+        held = src.bincount(minlength=len(BITS) + 1).tolist()                   # entries per source pool
+        sources = [p for p in BITS if held[int(p)]]
         if b.has_snapshots:                                                      # copy-on-write first
             for p in sources:
                 m = src == int(p)

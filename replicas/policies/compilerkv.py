@@ -298,11 +298,12 @@ class CompilerKVPolicy(KVPolicy):
                 actions.append(KVAction(layer, tuple(drop.tolist()), Precision.RELEASED))
         state = view.seq.policy_state   # [L, n], for the decode-time budget (release_prompt_page)
         state["ckv_score_stack"] = torch.stack([state["ckv_scores"][layer] for layer in range(view.kv.cfg.num_layers)])
+        state["ckv_releasable"] = ~torch.isinf(state["ckv_score_stack"])   # [L, n] outside the window
         return actions
 
     def prompt_share(self, seq: Sequence, kv: KVCache) -> float:
         """Share of the prompt's (position, layer) entries the cache still keeps, in [0, 1]."""
-        prompt_len = len(seq.prompt_token_ids)
+        prompt_len = seq.num_prompt_tokens
         return int(kv.kept_mask(seq.request_id, prompt_len).sum()) / max(1, prompt_len * kv.cfg.num_layers)
 
     def release_prompt_page(self, seq: Sequence, kv: KVCache) -> bool:
@@ -313,7 +314,7 @@ class CompilerKVPolicy(KVPolicy):
         scores = seq.policy_state.get("ckv_score_stack")                     # [L, n]
         if scores is None:
             return False
-        droppable = kv.kept_mask(seq.request_id, scores.shape[1]) & ~torch.isinf(scores)
+        droppable = kv.kept_mask(seq.request_id, scores.shape[1]) & seq.policy_state["ckv_releasable"]
         counts = droppable.sum(1)
         layer = int(counts.argmax())                                          # (the first maximum)
         if not int(counts[layer]):
