@@ -519,7 +519,7 @@ class KVCache:
             if keep:
                 md = m.to(self.device)
                 k[md], v[md] = self._read(p, flat)
-            self._move(p, *b.remove(row, lay[m], p, slot[m]))
+            self._move(p, *b.remove(row, layers if isinstance(layers, int) else lay[m], p, slot[m]))
         if keep:
             flat = b.append(row, lay, precision, pos)
             self._zero_fresh(precision)

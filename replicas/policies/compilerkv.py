@@ -296,30 +296,59 @@ class CompilerKVPolicy(KVPolicy):
             drop = positions[~select_tokens(score, protected, threshold, budget_tokens)]
             if drop.numel():
                 actions.append(KVAction(layer, tuple(drop.tolist()), Precision.RELEASED))
-        state = view.seq.policy_state   # [L, n], for the decode-time budget (release_prompt_page)
+        state = view.seq.policy_state   # [L, n], for the decode-time budget (PromptPages)
         state["ckv_score_stack"] = torch.stack([state["ckv_scores"][layer] for layer in range(view.kv.cfg.num_layers)])
         state["ckv_releasable"] = ~torch.isinf(state["ckv_score_stack"])   # [L, n] outside the window
         return actions
 
-    def prompt_share(self, seq: Sequence, kv: KVCache) -> float:
-        """Share of the prompt's (position, layer) entries the cache still keeps, in [0, 1]."""
-        prompt_len = seq.num_prompt_tokens
-        return int(kv.kept_mask(seq.request_id, prompt_len).sum()) / max(1, prompt_len * kv.cfg.num_layers)
+    def prompt_pages(self, seq: Sequence, kv: KVCache) -> "PromptPages":
+        """The sequence's prompt entries as one budget event sees them (:class:`PromptPages`)."""
+        return PromptPages(seq, kv)
 
-    def release_prompt_page(self, seq: Sequence, kv: KVCache) -> bool:
-        """Release one page (``block_size`` entries) of the lowest-scoring prompt tokens outside the
-        window, from the layer that holds the most of them (the first such layer on a tie; scores
-        recorded by :meth:`prefill_actions`), the lowest position first among equal scores.
-        Returns False when no layer has such a token left."""
-        scores = seq.policy_state.get("ckv_score_stack")                     # [L, n]
-        if scores is None:
+
+class PromptPages:
+    """A sequence's prompt entries during one budget event of a composed policy
+    (``replicas.policies.composed``): the share the cache still keeps and the releases that bring
+    it down, a page at a time.
+
+    Made once per event from the cache's kept mask, then kept in step with the releases it makes
+    (nothing else changes prompt entries within an event: the decode side demotes generated
+    tokens only), so that each release reads no cache-wide mask.
+
+    Attributes:
+        share: share of the prompt's (position, layer) entries the cache keeps, in [0, 1].
+    """
+
+    def __init__(self, seq: Sequence, kv: KVCache):
+        self.seq, self.kv = seq, kv
+        state = seq.policy_state
+        self.scores = state.get("ckv_score_stack")                                    # [L, n] or None
+        prompt_len = seq.num_prompt_tokens
+        n = 0 if self.scores is None else self.scores.shape[1]
+        kept = kv.kept_mask(seq.request_id, max(prompt_len, n))                        # [L, max] bool
+        self._kept = int(kept[:, :prompt_len].sum())
+        self._total = max(1, prompt_len * kv.cfg.num_layers)
+        self.share = self._kept / self._total
+        if self.scores is not None:
+            self.droppable = kept[:, :n] & state["ckv_releasable"]                    # [L, n]
+            self.counts = self.droppable.sum(1)                                       # [L]
+
+    def release_page(self) -> bool:
+        """Release one page (``block_size`` entries) of the lowest-scoring prompt tokens outside
+        the window, from the layer that holds the most of them (the first such layer on a tie;
+        scores recorded by :meth:`CompilerKVPolicy.prefill_actions`), the lowest position first
+        among equal scores. Returns False when no layer has such a token left."""
+        if self.scores is None:
             return False
-        droppable = kv.kept_mask(seq.request_id, scores.shape[1]) & seq.policy_state["ckv_releasable"]
-        counts = droppable.sum(1)
-        layer = int(counts.argmax())                                          # (the first maximum)
-        if not int(counts[layer]):
+        layer = int(self.counts.argmax())                                            # (the first maximum)
+        if not int(self.counts[layer]):
             return False
-        positions = droppable[layer].nonzero().flatten()
-        order = torch.sort(scores[layer][positions], stable=True).indices
-        kv.set_precision(seq.request_id, layer, positions[order[: kv.cfg.block_size]], Precision.RELEASED)
+        positions = self.droppable[layer].nonzero().flatten()
+        order = torch.sort(self.scores[layer][positions], stable=True).indices
+        chosen = positions[order[: self.kv.cfg.block_size]]
+        self.kv.set_precision(self.seq.request_id, layer, chosen, Precision.RELEASED)
+        self.droppable[layer, chosen] = False
+        self.counts[layer] -= chosen.numel()
+        self._kept -= chosen.numel()
+        self.share = self._kept / self._total
         return True

@@ -10,9 +10,10 @@ decode policy with the hooks below compose the same way.
 What each side must provide:
 
 - the prompt side: ``prefill_actions(view, budget_tokens)`` (keep at
-  most ``budget_tokens`` per layer), ``prompt_share(seq, kv)`` (the share of prompt entries it
-  still keeps) and ``release_prompt_page(seq, kv)`` (give back one page of its lowest-scoring
-  prompt entries; False when nothing is left to give);
+  most ``budget_tokens`` per layer) and ``prompt_pages(seq, kv)``, made once per budget event:
+  an object with ``share`` (the share of prompt entries it still keeps) and ``release_page()``
+  (give back one page of its lowest-scoring prompt entries; False when nothing is left to give),
+  as ``replicas.policies.compilerkv.PromptPages``;
 - the decode side: ``decode_targets`` / ``decode_evictions`` /
   ``on_prefill`` as any policy, ``decode_fraction(seq)`` (expected KV fraction of its current
   state) ``demote_once(seq, kv, "decode")`` (one step down; False at its floors) and ``tracks(seq)``
@@ -42,7 +43,7 @@ class PrefillDecodePolicy(KVPolicy):
     """
 
     def __init__(self, prefill: KVPolicy, decode: KVPolicy, name: str | None = None):
-        for hook in ("prefill_actions", "prompt_share", "release_prompt_page"):
+        for hook in ("prefill_actions", "prompt_pages"):
             if not callable(getattr(prefill, hook, None)):
                 raise TypeError(f"{type(prefill).__name__} is not a prompt compressor: it has no {hook}()")
         for hook in ("tracks", "decode_fraction", "demote_once"):
@@ -115,11 +116,12 @@ class PrefillDecodePolicy(KVPolicy):
         if budget >= 1.0 or not self.decode.tracks(seq):
             return
         allowed = budget * kv.full_kv_bytes(seq.num_tokens)
+        prompt = self.prefill.prompt_pages(seq, kv)
         while kv.sequence_bytes(seq.request_id) > allowed + 1e-6:
-            if (self.decode.decode_fraction(seq) >= self.prefill.prompt_share(seq, kv)
+            if (self.decode.decode_fraction(seq) >= prompt.share
                     and self.decode.demote_once(seq, kv, "decode")):
                 continue
-            if self.prefill.release_prompt_page(seq, kv):
+            if prompt.release_page():
                 continue
             if not self.decode.demote_once(seq, kv, "decode"):
                 return
