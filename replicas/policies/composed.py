@@ -117,9 +117,10 @@ class PrefillDecodePolicy(KVPolicy):
             return
         allowed = budget * kv.full_kv_bytes(seq.num_tokens)
         prompt = self.prefill.prompt_pages(seq, kv)
+        fraction = self.decode.decode_fraction(seq)   # (changes only when the decode side demotes)
         while kv.sequence_bytes(seq.request_id) > allowed + 1e-6:
-            if (self.decode.decode_fraction(seq) >= prompt.share
-                    and self.decode.demote_once(seq, kv, "decode")):
+            if fraction >= prompt.share and self.decode.demote_once(seq, kv, "decode"):
+                fraction = self.decode.decode_fraction(seq)
                 continue
             if prompt.release_page():
                 continue
