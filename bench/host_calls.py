@@ -82,9 +82,7 @@ def prompts(tokenizer, num: int) -> list[list[int]]:
 def count_calls(model: Path, policy: str, budget: float, batch: int, num_layers: int, steps: int,
                 max_prompt_tokens: int = 2048, graph: bool = False) -> dict:
     """Calls per decode step of one engine (every request decoding for all ``steps``); ``graph``:
-    the compiled decode forward (``enforce_eager=False``, compiled in the warm-up steps), except
-    for a policy that reads each step's queries (H2O: ``record_decode_queries``), which decodes
-    eagerly (``"graph": False`` in the result)."""
+    the compiled decode forward (``enforce_eager=False``, compiled in the warm-up steps)."""
     from replicas.config import EngineConfig
     from replicas.engine import LLMEngine
     from replicas.sampling_params import SamplingParams
@@ -93,7 +91,6 @@ def count_calls(model: Path, policy: str, budget: float, batch: int, num_layers:
                                     kv_budget=budget if name != "full" else 1.0, max_num_seqs=batch,
                                     max_model_len=max_prompt_tokens + steps + 64, kv_cache_bytes=256 << 20,
                                     enforce_eager=not graph))
-    graph = graph and not engine.policy.spec.record_decode_queries   # (the engine decodes those eagerly)
     try:
         for i, ids in enumerate(prompts(engine.tokenizer, batch)):
             engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=steps + 32, ignore_eos=True))

@@ -26,8 +26,11 @@ context length 0 there), with the static paged-attention reference on the CPU
 merged by log-sum-exp with the new tokens' attention to themselves. The KV writes go through
 :func:`kernels.kv_store.store_slots` (in place under compilation).
 
-Not covered (the step runs eager): steps with prompt chunks or drafts, policies that record the
-decode queries (H2O, SnapKV-style scores), tensor parallelism, a batch above ``max_num_seqs``.
+A policy that reads each step's queries (H2O: ``record_decode_queries``) gets them from the
+graph as one more output, ``[L, B, Hq, D]``.
+
+Not covered (the step runs eager): steps with prompt chunks or drafts, tensor parallelism, a
+batch above ``max_num_seqs``.
 """
 
 from __future__ import annotations
@@ -57,10 +60,12 @@ class DecodeGraph:
         kv: the rank's :class:`KVCache`.
         precisions: the pools the policy stores into (``PolicySpec.precisions``); HIGH first.
         max_num_seqs: the largest decode batch.
+        record_queries: also return each layer's queries (``PolicySpec.record_decode_queries``).
     """
 
-    def __init__(self, model, kv: KVCache, precisions, max_num_seqs: int):
+    def __init__(self, model, kv: KVCache, precisions, max_num_seqs: int, record_queries: bool = False):
         self.model, self.kv = model, kv
+        self.record_queries = record_queries
         self.device = kv.device
         self.precisions = tuple(p for p in (Precision.HIGH, Precision.INT8, Precision.INT4) if p in precisions)
         self.with_self = any(p != Precision.HIGH for p in self.precisions)
@@ -93,11 +98,15 @@ class DecodeGraph:
         return not self.failed and used <= set(self.precisions) and plan.rows.numel() <= self.buckets[-1]
 
     def _forward(self, ids, positions, slots, tables, lens, self_rows):
-        """Logits ``[B, vocab]`` of one decode step; ``slots [P, L, B]`` int64, ``tables``: per
-        pool ``[L, B, W]`` int32, ``lens [P, L, B]`` int32, ``self_rows [L, B]`` bool."""
+        """Logits ``[B, vocab]`` of one decode step, and with ``record_queries`` the queries
+        ``[L, B, Hq, D]``; ``slots [P, L, B]`` int64, ``tables``: per pool ``[L, B, W]`` int32,
+        ``lens [P, L, B]`` int32, ``self_rows [L, B]`` bool."""
         kv, pools = self.kv, [self.kv.pools[p] for p in self.precisions]
+        queries = []
 
         def attention(layer, q, k, v):
+            if self.record_queries:
+                queries.append(q)
             for i, pool in enumerate(pools):
                 kv_store.store_slots(pool.k, pool.v, pool.k_scale, pool.v_scale, slots[i, layer], k, v, pool.bits)
             if self.fused:   # one opaque call to the fused C kernel
@@ -109,7 +118,8 @@ class DecodeGraph:
             return attend_pools(q, pools, [t[layer] for t in tables], [lens[i, layer] for i in range(len(pools))],
                                 (k, v, self_rows[layer]) if self.with_self else None, static=True)
 
-        return self.model.logits(self.model(ids, positions, attention))
+        logits = self.model.logits(self.model(ids, positions, attention))
+        return (logits, torch.stack(queries)) if self.record_queries else logits
 
     def _inputs(self, ids: torch.Tensor, positions: torch.Tensor, plan: DecodePlan):
         """The graph's inputs for ``plan``, the batch padded to ``n`` rows (padding rows: no
@@ -141,21 +151,25 @@ class DecodeGraph:
                      else torch.zeros(L, n, dtype=torch.bool, device=dev))
         return pad(ids, 0, n), pad(positions, 0, n), slots, tuple(tables), torch.stack(lens), self_rows
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, plan: DecodePlan) -> torch.Tensor | None:
-        """Logits ``[B, vocab]`` float32 of the decode step over ``plan`` (its KV stored as the
-        eager forward stores it), or None when the graph failed (the caller runs eager; the
-        failure is logged once and the graph is not tried again)."""
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, plan: DecodePlan):
+        """``(logits [B, vocab] float32, queries)`` of the decode step over ``plan`` (its KV
+        stored as the eager forward stores it; ``queries``: layer -> ``[B, Hq, D]`` with
+        ``record_queries``, else empty), or None when the graph failed (the caller runs eager;
+        the failure is logged once and the graph is not tried again)."""
         b = ids.shape[0]
         try:
             # No duck sizing: sizes equal at the first call (the batch and the pool count, say)
             # must not become one symbol, or a later step recompiles.
             with torch.fx.experimental._config.patch(use_duck_shape=False):
-                logits = self._compiled(*self._inputs(ids, positions, plan))
+                out = self._compiled(*self._inputs(ids, positions, plan))
         except Exception:   # compile or capture failure: eager from now on (the eager forward
             # writes the same values at the same slots, so a partial run changes nothing)
             logger.exception("the compiled decode graph failed; decoding eagerly from now on")
             self.failed = True
             return None
         self.calls += 1
+        logits, stacked = out if self.record_queries else (out, None)
         logits = logits[:b].float()
-        return logits.clone() if self.cuda else logits   # a CUDA graph's output is overwritten by its next replay
+        queries = {} if stacked is None else dict(enumerate(stacked[:, :b].clone().unbind(0)))
+        # (a CUDA graph's outputs are overwritten by its next replay)
+        return (logits.clone() if self.cuda else logits), queries

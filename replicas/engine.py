@@ -169,7 +169,8 @@ class LLMEngine:
                                config.kv_policy, self.policy.floor_cost)
         if not config.enforce_eager:
             from replicas.decode_graph import DecodeGraph
-            self.runner.graph = DecodeGraph(self.model, self.kv, self.policy.spec.precisions, config.max_num_seqs)
+            self.runner.graph = DecodeGraph(self.model, self.kv, self.policy.spec.precisions, config.max_num_seqs,
+                                            record_queries=self.policy.spec.record_decode_queries)
         self.generator = torch.Generator().manual_seed(config.seed)
         # Jump-forward only where the policy takes generated tokens as a chunk (else: no change).
         self.jump_forward = config.enable_jump_forward and self.policy.spec.forced_chunks

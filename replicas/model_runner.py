@@ -77,11 +77,12 @@ class ModelRunner:
         ids = [s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1] for s in seqs]
         decode_positions = (plan.positions if plan is not None and plan.positions is not None
                             else torch.tensor([s.num_tokens - 1 for s in seqs], dtype=torch.long))
-        if nd and not chunks and not record_queries and self.graph is not None and self.graph.supports(plan):
-            logits = self.graph(torch.tensor(ids, dtype=torch.long, device=self.device),
-                                decode_positions.to(self.device), plan)
-            if logits is not None:
-                return logits, {}, []
+        if (nd and not chunks and self.graph is not None and self.graph.supports(plan)
+                and (self.graph.record_queries or not record_queries)):
+            out = self.graph(torch.tensor(ids, dtype=torch.long, device=self.device),
+                             decode_positions.to(self.device), plan)
+            if out is not None:
+                return out[0], out[1], []
         ids += [t for c in chunks for t in c.token_ids]
         positions = torch.cat([decode_positions] + [torch.arange(c.start, c.start + n) for c, n in zip(chunks, sizes)])
         bounds = [nd]

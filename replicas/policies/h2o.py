@@ -46,27 +46,32 @@ class H2OPolicy(ScoredPolicy):
 
     def observe_decode_batch(self, seqs, kv, rows, positions, queries):
         """Add this step's attention (summed over query heads) to every kept token's score, for
-        the batch one layer at a time: the layer's HIGH pages are gathered once for all rows (H2O
-        keeps everything at HIGH), softmax over each row's kept slots, then a scatter-add by the
-        slots' positions."""
+        the batch and every layer at once: the HIGH pages of every (row, layer) are gathered in
+        one index (H2O keeps everything at HIGH), softmax over each (row, layer)'s kept slots,
+        then one scatter-add by the slots' positions. ``queries``: layer -> ``[B, Hq, D]``."""
+        if not queries:
+            return
         table, b = self.scores(kv), kv.blocks
         high, bs = Precision.HIGH, kv.cfg.block_size
         pool = kv.pools[high]
-        for layer, q in queries.items():
-            lens = b.num_slots[high][rows, layer]                                   # [B]
-            width = int(lens.max())
-            if not width:
-                continue
-            pages = b.block_table[high][rows, layer, :-(-width // bs)].long()       # [B, P]
-            keys = pool.k[pages.to(pool.k.device)].flatten(1, 2)[:, :width].float()  # [B, T, Hkv, D]
-            hq, hkv = q.shape[1], keys.shape[2]
-            keys = keys.repeat_interleave(hq // hkv, dim=2)                         # [B, T, Hq, D]
-            scores = torch.einsum("bhd,bthd->bht", q.float(), keys) / math.sqrt(q.shape[-1])
-            valid = (torch.arange(width)[None, :] < lens[:, None]).to(scores.device)
-            probs = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(-1).sum(1).cpu()  # [B, T]
-            slot_pos = b.slot_position[high][rows, layer, :width].long()            # [B, T]
-            r = rows[:, None].expand(-1, width)
-            table[r[valid.cpu()], layer, slot_pos[valid.cpu()]] += probs[valid.cpu()]
+        layers = torch.tensor(sorted(queries))                                      # [L']
+        q = torch.stack([queries[layer] for layer in layers.tolist()])               # [L', B, Hq, D]
+        lens = b.num_slots[high][rows][:, layers]                                    # [B, L']
+        width = int(lens.max())
+        if not width:
+            return
+        pages = b.block_table[high][rows][:, layers, :-(-width // bs)].long()        # [B, L', P]
+        keys = pool.k[pages.to(pool.k.device)].flatten(2, 3)[:, :, :width].float()  # [B, L', T, Hkv, D]
+        hq, hkv = q.shape[2], keys.shape[3]
+        keys = keys.repeat_interleave(hq // hkv, dim=3)                              # [B, L', T, Hq, D]
+        scores = torch.einsum("lbhd,blthd->blht", q.float(), keys) / math.sqrt(q.shape[-1])
+        valid = torch.arange(width)[None, None, :] < lens[:, :, None]               # [B, L', T]
+        probs = scores.masked_fill(~valid[:, :, None, :].to(scores.device), float("-inf")).softmax(-1).sum(2).cpu()
+        slot_pos = b.slot_position[high][rows][:, layers, :width].long()             # [B, L', T]
+        n, nl = rows.shape[0], layers.shape[0]
+        r = rows[:, None, None].expand(n, nl, width)[valid]
+        lay = layers[None, :, None].expand(n, nl, width)[valid]
+        table[r, lay, slot_pos[valid]] += probs[valid]
 
     def protected_scores(self, scores, positions, num_tokens, quotas):
         recent = (quotas.double() * self.recent_ratio).floor().long()

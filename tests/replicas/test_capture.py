@@ -128,7 +128,8 @@ def test_decode_graph_equals_eager_over_every_pool(decoding):
             for p, mapping in plan.slot_mapping.items():   # the graph has to write the new slots again
                 for t in eng.kv.pools[p].tensors():
                     t.flatten(0, 1)[mapping.flatten()] = 0
-            got = graph(ids, positions, plan)
+            got, queries = graph(ids, positions, plan)
+            assert queries == {}
         torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
         for p in graph.precisions:   # equal everywhere but the trash page (padding rows write there)
             for t, want in zip(eng.kv.pools[p].tensors(), pools[p]):
@@ -139,13 +140,19 @@ def test_decode_graph_equals_eager_over_every_pool(decoding):
     assert counters["stats"]["unique_graphs"] - graphs_before == 1, dict(counters["stats"])   # one compile for both batches
 
 
-def test_engine_with_compiled_decode_matches_eager(micro_model):
+@pytest.mark.parametrize("policy", ["full", "h2o"])
+def test_engine_with_compiled_decode_matches_eager(micro_model, policy):
     """``enforce_eager=False``: every decode step runs through the graph, and greedy outputs
-    equal the eager engine's."""
-    outs = {}
+    equal the eager engine's; H2O, which reads each step's queries, gets them from the graph."""
+    outs, observed = {}, {}
     for eager in (True, False):
         eng = LLMEngine(EngineConfig(model=str(micro_model), kv_cache_bytes=16 << 20, max_num_seqs=4,
-                                     max_model_len=256, enforce_eager=eager))
+                                     max_model_len=256, enforce_eager=eager, kv_policy=policy,
+                                     kv_budget=1.0 if policy == "full" else 0.5))
+        if policy == "h2o":   # the queries H2O scores with, per step: their layers and values
+            seen, observe = observed.setdefault(eager, []), eng.policy.observe_decode_batch
+            eng.policy.observe_decode_batch = lambda seqs, kv, rows, positions, queries: (
+                seen.append({k: q.clone() for k, q in queries.items()}), observe(seqs, kv, rows, positions, queries))
         res = eng.generate([list(range(5, 5 + n)) for n in (37, 20, 53)],
                            SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
         outs[eager] = [list(r.token_ids) for r in res]
@@ -153,6 +160,12 @@ def test_engine_with_compiled_decode_matches_eager(micro_model):
             assert eng.runner.graph.calls == 11 and not eng.runner.graph.failed   # 12 tokens: 1 from prefill
         eng.close()
     assert outs[False] == outs[True]
+    if policy == "h2o":
+        assert len(observed[False]) == len(observed[True]) == 11
+        for got, want in zip(observed[False], observed[True]):
+            assert sorted(got) == sorted(want) == list(range(eng.kv.cfg.num_layers))
+            for layer in want:
+                torch.testing.assert_close(got[layer], want[layer], rtol=1e-4, atol=1e-4)
 
 
 def test_enforce_eager_false_needs_one_rank():
