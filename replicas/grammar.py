@@ -69,6 +69,16 @@ _UNENFORCED = ("contains", "minContains", "maxContains", "not", "if", "then", "e
 # addresses rejected ("h@x.M.AIG", "N&@ZvIMDNu.Z.Hn": JSONSchemaBench, hypothesis' emails()).
 _XGR_LOOSE_FORMATS = ("date", "date-time", "time", "hostname", "host-name", "email", "idn-email")   # time: "23:59:60Z" accepted
 _LOOKAROUND = re.compile(r"\(\?<?[=!]")
+# xgrammar 0.2.9 reads a node without "type" as any JSON value and drops the keywords of a single
+# type there (measured: {"pattern": "^a+$"} took "b", {"minLength": 3} "b", {"minimum": 3} 1,
+# {"maxItems": 1} [1, 2], {"minProperties": 1} {}; JSONSchemaBench Github_medium #7, a "type"
+# key misspelled, let " 00/0" past a pattern). It reads "items" / "prefixItems" as an array and
+# "properties" / "additionalProperties" / "patternProperties" as an object, and then enforces
+# their size keywords; nothing makes it read a string or a number.
+_UNTYPED_STRING_NUMBER = ("pattern", "minLength", "maxLength", "format", "minimum", "maximum",
+                          "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+_UNTYPED_ARRAY = (("minItems", "maxItems", "uniqueItems"), ("items", "prefixItems"))
+_UNTYPED_OBJECT = (("minProperties", "maxProperties"), ("properties", "additionalProperties", "patternProperties"))
 _NOT_SCHEMAS = ("const", "enum", "default", "examples", "description", "title", "$comment")
 _NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
 
@@ -100,8 +110,9 @@ def unenforced_keywords(schema: Any) -> list[str]:
     ``oneOf`` / ``allOf`` / ``$ref`` beside other constraints (the siblings are dropped), ``oneOf``
     whose members may overlap (it is compiled as ``anyOf``), a ``required`` name missing from
     ``properties``, ``enum`` / ``const`` values outside the node's ``type``, and a ``$ref`` that is
-    not a local JSON pointer (it would match anything). Seen with xgrammar 0.2.9: output breaking
-    the schema under the grammar."""
+    not a local JSON pointer (it would match anything), and a string, number, array-size or
+    object-size keyword on a node without ``type`` (:data:`_UNTYPED_STRING_NUMBER`). Seen with
+    xgrammar 0.2.9: output breaking the schema under the grammar."""
     found = []
     for node, where in _walk(schema):
         found += [f"{k} at {where}" for k in _UNENFORCED if k in node]
@@ -115,6 +126,12 @@ def unenforced_keywords(schema: Any) -> list[str]:
             found.append(f"format {node['format']} at {where}")
         if isinstance(node.get("pattern"), str) and _LOOKAROUND.search(node["pattern"]):
             found.append(f"pattern with look-around at {where}")
+        if "type" not in node:
+            found += [f"{k} without type at {where}" for k in _UNTYPED_STRING_NUMBER
+                      if k in node and (k != "format" or node[k] in _DEFINED_FORMATS)]   # (others: annotations)
+            for keys, anchors in (_UNTYPED_ARRAY, _UNTYPED_OBJECT):
+                if not any(a in node for a in anchors):
+                    found += [f"{k} without type at {where}" for k in keys if k in node]
         found += _dropped_constraints(node, where)
     return found
 

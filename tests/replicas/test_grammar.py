@@ -163,6 +163,14 @@ MOVED_TO_LLGUIDANCE = [
     ({"type": "string", "format": "date"}, "format date at $", '"2020-02-28"', '"2020-02-31"'),
     # xgrammar took a 64-character label (and refused "A.COM" and a final dot: JSONSchemaBench)
     ({"type": "string", "format": "hostname"}, "format hostname at $", '"A-9.COM."', '"' + "x" * 64 + '.com"'),
+    # a node without "type": xgrammar took any value, its keywords dropped (JSONSchemaBench
+    # Github_medium #7 let " 00/0" past a pattern; a misspelled "type" key)
+    ({"type": "object", "properties": {"r": {"pattern": "^a+$"}}, "required": ["r"]},
+     "pattern without type at $.properties.r", '{"r": "aa"}', '{"r": "b"}'),
+    ({"type": "object", "properties": {"r": {"minimum": 3}}, "required": ["r"]},
+     "minimum without type at $.properties.r", '{"r": 5}', '{"r": 1}'),
+    ({"type": "object", "properties": {"r": {"maxItems": 1}}, "required": ["r"]},
+     "maxItems without type at $.properties.r", '{"r": [1]}', '{"r": [1, 2]}'),
     # xgrammar refused RFC 5321 addresses hypothesis writes (JSONSchemaBench: "h@x.M.AIG", "N&@ZvIMDNu.Z.Hn")
     ({"type": "string", "format": "email"}, "format email at $", '"N&~-x.y@ZvIMDNu.Z.AIG"', '"h.x.M.AIG"'),
     ({"type": "object", "patternProperties": {"^x": {"type": "integer"}}, "additionalProperties": False},
