@@ -128,7 +128,7 @@ def unenforced_keywords(schema: Any) -> list[str]:
             found.append(f"pattern with look-around at {where}")
         if "type" not in node:
             found += [f"{k} without type at {where}" for k in _UNTYPED_STRING_NUMBER
-                      if k in node and (k != "format" or node[k] in _DEFINED_FORMATS)]   # (others: annotations)
+                      if k in node and (k != "format" or (isinstance(node[k], str) and node[k] in _DEFINED_FORMATS))]
             for keys, anchors in (_UNTYPED_ARRAY, _UNTYPED_OBJECT):
                 if not any(a in node for a in anchors):
                     found += [f"{k} without type at {where}" for k in keys if k in node]

@@ -596,3 +596,12 @@ def test_llguidance_matcher_accepts_many_values_of_a_counted_pattern(engine):
     assert not rejected, f"{len(rejected)} of {len(values)} rejected, the first: {values[rejected[0]]!r}"
     m = engine.grammar.matcher(spec)      # a forced string is checked the same way
     assert m.accept_string(json.dumps(values[0], ensure_ascii=False)[:-1]) and not m.accept_string("\x01")
+
+
+def test_routing_reads_a_format_that_is_not_a_string():
+    """A ``format`` whose value is an object (a property named "format" in a node without
+    ``properties``, as some JSONSchemaBench schemas have) is no keyword to route on: no error."""
+    from replicas.grammar import unenforced_keywords
+    assert unenforced_keywords({"type": "object", "properties": {"a": {"format": {"type": "string"}}}}) == []
+    assert unenforced_keywords({"properties": {"a": {"format": "uuid"}}}) == ["format without type at $.properties.a"]
+    assert unenforced_keywords({"properties": {"a": {"format": "x-custom"}}}) == []   # an annotation
