@@ -571,6 +571,9 @@ def _closing_tokens(tok, vocab: int, _cache={}) -> frozenset:
     return _cache[vocab]
 
 
+EXAMPLE_CHARS = 4000   # a failing text kept whole up to this length, to find where matching stops
+
+
 def check_instances(g: Grammar, v, valids: list, invalids: list, schema) -> dict:
     """Counts (and the first failing texts) for one grammar: valid instances rejected in every
     layout, invalid instances accepted in some layout."""
@@ -579,7 +582,7 @@ def check_instances(g: Grammar, v, valids: list, invalids: list, schema) -> dict
         if not any(g.accepts(t) for t in layouts(x, schema)) and g.guided(x) is None \
                 and g.guided(schema_order(x, schema)) is None:
             r["valid_rejected"] += 1
-            r["examples"].append(["valid rejected", _dumps(schema_order(x, schema), False)[:300]])
+            r["examples"].append(["valid rejected", _dumps(schema_order(x, schema), False)[:EXAMPLE_CHARS]])
     for x in invalids:
         # an accepted text counts as it parses: 3.0678e+24 written as digits is an integer
         hit = next((t for t in layouts(x, schema) if g.accepts(t) and is_valid(v, json.loads(t)) is False), None)
@@ -589,7 +592,7 @@ def check_instances(g: Grammar, v, valids: list, invalids: list, schema) -> dict
                 break
         if hit is not None:
             r["invalid_accepted"] += 1
-            r["examples"].append(["invalid accepted", hit[:300]])
+            r["examples"].append(["invalid accepted", hit[:EXAMPLE_CHARS]])
     return r
 
 
@@ -607,7 +610,7 @@ def check_samples(g: Grammar, v, n: int, rng: random.Random) -> dict:
             ok = False
         if ok is False:
             r["samples_invalid"] += 1
-            r["examples"].append(["sample invalid", text[:300]])
+            r["examples"].append(["sample invalid", text[:EXAMPLE_CHARS]])
     return r
 
 
