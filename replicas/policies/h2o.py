@@ -17,6 +17,10 @@ import torch
 from replicas.kv_cache import Precision
 from replicas.policies.base import KEEP, ScoredPolicy, attention_probs
 
+# The float32 keys one decode step's observation gathers at once, at most (bytes): layers go in
+# groups under it (e.g. batch 8 x 2,048 tokens x 8 KV heads x 128: 64 MiB per layer, 4 per group).
+OBSERVE_BYTES = 256 << 20
+
 
 @dataclass
 class H2OPolicy(ScoredPolicy):
@@ -46,32 +50,49 @@ class H2OPolicy(ScoredPolicy):
 
     def observe_decode_batch(self, seqs, kv, rows, positions, queries):
         """Add this step's attention (summed over query heads) to every kept token's score, for
-        the batch and every layer at once: the HIGH pages of every (row, layer) are gathered in
+        the batch and every layer together: the HIGH pages of every (row, layer) are gathered in
         one index (H2O keeps everything at HIGH), softmax over each (row, layer)'s kept slots,
-        then one scatter-add by the slots' positions. ``queries``: layer -> ``[B, Hq, D]``."""
+        then one scatter-add by the slots' positions. ``queries``: layer -> ``[B, Hq, D]``.
+        Layers go in groups whose gathered keys stay under :data:`OBSERVE_BYTES` (one group on
+        a small model; at Qwen3-4B's shapes a group holds a few layers)."""
         if not queries:
             return
         table, b = self.scores(kv), kv.blocks
-        high, bs = Precision.HIGH, kv.cfg.block_size
-        pool = kv.pools[high]
-        layers = torch.tensor(sorted(queries))                                      # [L']
-        q = torch.stack([queries[layer] for layer in layers.tolist()])               # [L', B, Hq, D]
-        lens = b.num_slots[high][rows][:, layers]                                    # [B, L']
+        high = Precision.HIGH
+        order = sorted(queries)
+        lens = b.num_slots[high][rows][:, order]                                     # [B, L']
         width = int(lens.max())
         if not width:
             return
-        pages = b.block_table[high][rows][:, layers, :-(-width // bs)].long()        # [B, L', P]
+        k = kv.pools[high].k
+        per_layer = rows.shape[0] * width * k.shape[2] * k.shape[3] * 4              # float32 keys of one layer
+        step = max(1, OBSERVE_BYTES // max(1, per_layer))
+        for start in range(0, len(order), step):
+            group = order[start:start + step]
+            self._observe_layers(table, kv, rows, group, torch.stack([queries[layer] for layer in group]),
+                                 lens[:, start:start + step])
+
+    @staticmethod
+    def _observe_layers(table, kv, rows, layers, q, lens):
+        """:meth:`observe_decode_batch` for ``layers`` (a list), ``q [L', B, Hq, D]``, ``lens [B, L']``."""
+        b, high, bs = kv.blocks, Precision.HIGH, kv.cfg.block_size
+        pool = kv.pools[high]
+        width = int(lens.max())
+        if not width:
+            return
+        lay = torch.tensor(layers)
+        pages = b.block_table[high][rows][:, lay, :-(-width // bs)].long()           # [B, L', P]
         keys = pool.k[pages.to(pool.k.device)].flatten(2, 3)[:, :, :width].float()  # [B, L', T, Hkv, D]
-        hq, hkv = q.shape[2], keys.shape[3]
-        keys = keys.repeat_interleave(hq // hkv, dim=3)                              # [B, L', T, Hq, D]
-        scores = torch.einsum("lbhd,blthd->blht", q.float(), keys) / math.sqrt(q.shape[-1])
+        n, nl, hq, d = rows.shape[0], len(layers), q.shape[2], q.shape[3]
+        hkv = keys.shape[3]
+        qg = q.float().view(nl, n, hkv, hq // hkv, d)                                # GQA: no key copies
+        scores = torch.einsum("lbkgd,bltkd->blkgt", qg, keys).flatten(2, 3) / math.sqrt(d)   # [B, L', Hq, T]
         valid = torch.arange(width)[None, None, :] < lens[:, :, None]               # [B, L', T]
         probs = scores.masked_fill(~valid[:, :, None, :].to(scores.device), float("-inf")).softmax(-1).sum(2).cpu()
-        slot_pos = b.slot_position[high][rows][:, layers, :width].long()             # [B, L', T]
-        n, nl = rows.shape[0], layers.shape[0]
+        slot_pos = b.slot_position[high][rows][:, lay, :width].long()                # [B, L', T]
         r = rows[:, None, None].expand(n, nl, width)[valid]
-        lay = layers[None, :, None].expand(n, nl, width)[valid]
-        table[r, lay, slot_pos[valid]] += probs[valid]
+        li = lay[None, :, None].expand(n, nl, width)[valid]
+        table[r, li, slot_pos[valid]] += probs[valid]
 
     def protected_scores(self, scores, positions, num_tokens, quotas):
         recent = (quotas.double() * self.recent_ratio).floor().long()

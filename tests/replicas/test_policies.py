@@ -266,10 +266,14 @@ def test_prefill_tokens_bad_settings_refused():
     StreamingLLMPolicy(prefill_tokens=2).check(2, 1.0, kv)  # a prompt within B is never compressed
 
 
-def test_h2o_batched_observation_equals_per_sequence_attention():
+@pytest.mark.parametrize("observe_bytes", [256 << 20, 1])   # all layers in one group; a layer per group
+def test_h2o_batched_observation_equals_per_sequence_attention(monkeypatch, observe_bytes):
     """H2O's decode step adds, for the whole batch at once, what ``attention_probs`` gives one
-    sequence at a time over its kept keys (holes from releases included)."""
+    sequence at a time over its kept keys (holes from releases included), whatever the layer
+    groups its memory bound makes."""
+    from replicas.policies import h2o
     from replicas.policies.base import attention_probs
+    monkeypatch.setattr(h2o, "OBSERVE_BYTES", observe_bytes)
     torch.manual_seed(2)
     kv = KVCache(KVCacheConfig(num_layers=2, num_kv_heads=1, head_dim=D, block_size=4, max_bytes=1 << 22))
     policy, seqs = H2OPolicy(), []
