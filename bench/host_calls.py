@@ -144,8 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'policy':<18} {'small (4 x 4L)':>15} {'large (32 x 24L)':>17} {'large/small':>12} {'large/full':>11}")
     for r in rows:
         vs_full = f"{r['large'] / full:.2f}" if full else "-"
-        name = r["policy"] + (" (eager)" if args.graph and not r["graph"] else "")
-        print(f"{name:<18} {r['small']:>15.0f} {r['large']:>17.0f} {r['large'] / r['small']:>12.2f} {vs_full:>11}")
+        print(f"{r['policy']:<18} {r['small']:>15.0f} {r['large']:>17.0f} {r['large'] / r['small']:>12.2f} {vs_full:>11}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
