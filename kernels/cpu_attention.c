@@ -125,6 +125,44 @@ static inline __attribute__((always_inline)) __m256 dot8(const float *q, const f
 #endif
 
 #ifdef STRUCTKV_AVX2
+/* dot8 over INT8 rows, each eight values converted in registers (the caller applies the scales). */
+static inline __attribute__((always_inline)) __m256 dot8_i8(const float *q, const int8_t *const *r, int64_t off, int d) {
+    __m256 a[GROUP];
+    for (int u = 0; u < GROUP; u++) a[u] = _mm256_setzero_ps();
+    for (int i = 0; i < d; i += 8) {
+        __m256 qv = _mm256_loadu_ps(q + i);
+        for (int u = 0; u < GROUP; u++)
+            a[u] = _mm256_fmadd_ps(qv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                       _mm_loadl_epi64((const __m128i *)(r[u] + off + i)))), a[u]);
+    }
+    __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+
+static inline __attribute__((always_inline)) __m256 reduce8(const __m256 *a) {
+    __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+
+/* dot8_i8 for two query heads at once: each key vector is converted once for both. */
+static inline __attribute__((always_inline)) void dot8x2_i8(const float *q0, const float *q1, const int8_t *const *r,
+                                                            int64_t off, int d, __m256 *out0, __m256 *out1) {
+    __m256 a[GROUP], b[GROUP];
+    for (int u = 0; u < GROUP; u++) a[u] = b[u] = _mm256_setzero_ps();
+    for (int i = 0; i < d; i += 8) {
+        __m256 qa = _mm256_loadu_ps(q0 + i), qb = _mm256_loadu_ps(q1 + i);
+        for (int u = 0; u < GROUP; u++) {
+            __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(r[u] + off + i))));
+            a[u] = _mm256_fmadd_ps(qa, x, a[u]);
+            b[u] = _mm256_fmadd_ps(qb, x, b[u]);
+        }
+    }
+    *out0 = reduce8(a);
+    *out1 = reduce8(b);
+}
+
 /* exp_nonpositive on eight lanes (the same approximation, with fused multiply-adds: a value may
  * differ from the scalar form's in the last bit). */
 static inline __attribute__((always_inline)) __m256 exp8_nonpositive(__m256 x) {
@@ -246,7 +284,33 @@ static inline __attribute__((always_inline)) void attend_range(const float *q, i
         cursor_t c = cursor_at(p, b, lo);
         int64_t t = lo;
 #ifdef STRUCTKV_AVX2
-        if (d % 8 == 0) {
+        if (d % 8 == 0 && p->bits == 8 && hkv <= 8) {   /* INT8 keys converted in registers, no row buffer */
+            const int64_t stride = (int64_t)hkv * d;
+            for (; t + GROUP <= hi; t += GROUP, idx += GROUP) {
+                const int8_t *rows[GROUP];
+                float rs[GROUP * 8];
+                for (int u = 0; u < GROUP; u++) {
+                    int64_t slot = cursor_next(p, &c);
+                    rows[u] = (const int8_t *)p->k + slot * stride;
+                    for (int h = 0; h < hkv; h++) rs[h * GROUP + u] = sm_scale * p->k_scale[slot * hkv + h];
+                }
+                for (int h = 0; h < hkv; h++) {
+                    __m256 scv = _mm256_loadu_ps(rs + h * GROUP);
+                    int jj = 0;
+                    for (; jj + 2 <= g; jj += 2) {   /* two query heads per conversion of the keys */
+                        int j = h * g + jj;
+                        __m256 s0, s1;
+                        dot8x2_i8(qb + j * d, qb + (j + 1) * d, rows, h * d, d, &s0, &s1);
+                        _mm256_storeu_ps(scores + j * n + idx, _mm256_mul_ps(scv, s0));
+                        _mm256_storeu_ps(scores + (j + 1) * n + idx, _mm256_mul_ps(scv, s1));
+                    }
+                    for (; jj < g; jj++) {
+                        int j = h * g + jj;
+                        _mm256_storeu_ps(scores + j * n + idx, _mm256_mul_ps(scv, dot8_i8(qb + j * d, rows, h * d, d)));
+                    }
+                }
+            }
+        } else if (d % 8 == 0) {
             const int64_t stride = (int64_t)hkv * d;
             for (; t + GROUP <= hi; t += GROUP, idx += GROUP) {
                 const float *rows[GROUP];
