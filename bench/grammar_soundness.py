@@ -734,7 +734,8 @@ def run(subsets: list[str] | None, checkpoint: Path, args: dict) -> None:
         if args.get("recheck_failing"):
             done -= _failing(checkpoint)
     names = subsets or sorted(p.name.split(".")[0] for p in JSONSCHEMABENCH_DIR.glob("*.jsonl.gz"))
-    todo = [p for p in order(names, args["limit"]) if p not in done]
+    todo = [p for p in order(names, args["limit"])
+            if (p in args["recheck"] if args.get("recheck") else p not in done)]
     ctx = mp.get_context("spawn")
     with checkpoint.open("a") as out:
         while todo:
@@ -918,6 +919,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="run again the checkpoint's schemas whose backend this code picks differently")
     ap.add_argument("--recheck-failing", action="store_true",
                     help="run again the checkpoint's schemas with a failure (valid rejected, invalid accepted)")
+    ap.add_argument("--recheck", type=Path,
+                    help="a JSONL file of {subset, i}: check only those schemas again (a change that moves them)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", type=Path)
     a = ap.parse_args(argv)
@@ -925,7 +928,9 @@ def main(argv: list[str] | None = None) -> int:
         run(a.subsets, a.checkpoint, {"timeout_s": a.timeout_s, "schema_s": a.schema_s, "valid": a.valid,
                                       "invalid": a.invalid, "samples": a.samples, "limit": a.limit,
                                       "before_ref": a.before_ref or None, "recheck_moved": a.recheck_moved,
-                                      "recheck_failing": a.recheck_failing})
+                                      "recheck_failing": a.recheck_failing,
+                                      "recheck": {(r["subset"], r["i"]) for r in map(json.loads, filter(None, a.recheck.read_text().splitlines()))}
+                                      if a.recheck else None})
     summary = summarize(a.checkpoint)
     print(table(summary))
     print(fix_table(summary))

@@ -40,6 +40,7 @@ _ASSERTIONS = {"type", "enum", "const", "multipleOf", "maximum", "exclusiveMaxim
                "propertyNames", "unevaluatedItems", "unevaluatedProperties", "$ref", "$dynamicRef", "$recursiveRef",
                "disallow", "extends", "divisibleBy"}
 MAX_ALTERNATIVES = 64   # per negation (a product of anyOf negations past it is not written)
+MAX_REWRITE_CHARS = 100_000   # JSON characters of one oneOf's rewritten branches
 
 
 def _kind(v: Any) -> str:
@@ -626,6 +627,22 @@ MAX_CLASS = 4000   # characters of a complement class
 
 @functools.lru_cache(maxsize=256)
 def _complement_pattern(pattern: str) -> str | None:
+    """An anchored regex (None: no string) matching only strings that ``pattern`` (searched, as
+    JSON Schema reads it) does not match: the two shapes of :func:`_complement_shape`, else the
+    general complement on automata (:func:`replicas.regex_complement.complement`). Raises
+    :class:`_Inexpressible` where neither applies."""
+    from replicas.regex_complement import Unsupported, complement
+    try:
+        return _complement_shape(pattern)
+    except _Inexpressible:
+        pass
+    try:
+        return complement(pattern)
+    except Unsupported:
+        raise _Inexpressible("pattern") from None
+
+
+def _complement_shape(pattern: str) -> str | None:
     """An anchored regex (None: no string) matching only strings that ``pattern`` (searched, as JSON Schema reads
     it) does not match, for two shapes: one character atom ``C`` (a class, an escape, ``.``;
     in a group or not), unanchored: the strings with no character in ``C``; ``^C+$`` / ``^C*$``
@@ -725,6 +742,8 @@ def rewrite_one_of(node: dict, root: Any) -> bool:
         if negs is None:
             continue
         branches.append({"allOf": [m, *negs]} if negs else m)
+    if len(json.dumps(branches)) > MAX_REWRITE_CHARS:
+        return False   # negations multiplied past what llguidance compiles in its bounds
     del node["oneOf"]
     branches = branches or [False]
     if "anyOf" in node:

@@ -309,7 +309,7 @@ def test_schema_moved_for_completeness_falls_back_to_xgrammar_where_llguidance_r
     ({"type": "array", "contains": {"const": 3}}, "contains at $"),
     # (not const 0, if required then required: now rewritten exactly, tests/replicas/test_grammar_rewrites.py)
     ({"type": "integer", "not": {"multipleOf": 2}}, "not at $"),
-    ({"type": "object", "if": {"properties": {"a": {"pattern": "^x"}}}, "then": {"required": ["b"]}}, "if at $"),
+    ({"type": "object", "if": {"properties": {"a": {"pattern": "^(?=x)"}}}, "then": {"required": ["b"]}}, "if at $"),
     ({"oneOf": [{"type": "number"}, {"type": "integer", "minimum": 3}]}, "oneOf with members that may overlap at $"),
     ({"$ref": "http://example.com/x.json"}, "not a local JSON pointer"),
     ({"type": "object", "properties": {"p": {"type": "string", "pattern": "^(?!x)[a-z]+$"}}},

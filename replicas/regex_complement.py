@@ -1,0 +1,333 @@
+"""The complement of a JSON Schema ``pattern``, as a regex llguidance compiles: ``not {pattern:
+P}`` written as ``{pattern: C}`` (``replicas/schema_oneof.py`` negates ``oneOf`` members with it).
+
+JSON Schema searches a pattern (unanchored; ECMA-262 syntax), and validators read it in their own
+dialect: Python's ``re`` (``jsonschema``), where ``\\d`` / ``\\w`` / ``\\s`` are Unicode and ``$``
+also matches before a final newline, or ECMA-262's ASCII classes. So ``P`` is first read as the
+*widest* set of whole strings any of these readings searches a match in (each character class the
+union of its readings, a negated class the complement of the narrowest; an unanchored end is
+``.*``, a ``$`` end allows one ``\\n`` after it). Its complement is then computed exactly on finite
+automata with ``greenery`` (``Pattern.everythingbut``: complement of the minimal DFA, converted back
+by state elimination) and printed with explicit code point ranges only (no ``\\d`` or ``.``, which
+llguidance's Rust dialect reads its own way). Every string the complement matches is therefore
+matched by ``P`` in none of the readings (sound); a string ``P`` misses only in some reading (a
+Unicode digit for ``\\d``) is outside it too (complete for every string the readings agree on).
+
+Refused (:class:`Unsupported`): look-around, back-references, word boundaries, anchors other than at
+the ends of a top-level alternative, inline flags other than ``(?s:...)``, possessive / atomic
+groups, and past the bounds on the work: :data:`MAX_POSITIONS` positions, a DFA over
+:data:`MAX_STATES` states, a printed regex over :data:`MAX_CHARS`.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+MAX_POSITIONS = 100   # characters of the pattern with its bounded repeats written out
+MAX_STATES = 200      # states of the pattern's minimal DFA
+MAX_CHARS = 20_000    # characters of the printed complement
+
+try:   # Python 3.11+: re._parser / re._constants (sre_parse before)
+    from re import _constants as _c
+    from re import _parser as _p
+except ImportError:   # pragma: no cover
+    import sre_constants as _c
+    import sre_parse as _p
+
+_ECMA_SPACE = [(9, 13), (32, 32), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A), (0x2028, 0x2029),
+               (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000), (0xFEFF, 0xFEFF)]
+_CATEGORY = {_c.CATEGORY_DIGIT: "\\d", _c.CATEGORY_NOT_DIGIT: "\\D", _c.CATEGORY_WORD: "\\w",
+             _c.CATEGORY_NOT_WORD: "\\W", _c.CATEGORY_SPACE: "\\s", _c.CATEGORY_NOT_SPACE: "\\S"}
+_TOP = 0x10FFFF
+
+
+class Unsupported(ValueError):
+    """``pattern`` has a construct this module does not complement (module doc)."""
+
+
+def _merge(ranges) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _invert(ranges) -> list[tuple[int, int]]:
+    out, lo = [], 0
+    for a, b in _merge(ranges):
+        if a > lo:
+            out.append((lo, a - 1))
+        lo = b + 1
+    return out + ([(lo, _TOP)] if lo <= _TOP else [])
+
+
+def _intersect(a, b) -> list[tuple[int, int]]:
+    return _invert(_invert(a) + _invert(b))
+
+
+@functools.lru_cache(maxsize=None)
+def _category(cat) -> tuple[list, list]:
+    """(widest, narrowest) code point ranges of a class escape over Python's Unicode and ASCII
+    readings and ECMA-262's (whose ``\\s`` adds U+FEFF)."""
+    from replicas.schema_oneof import _char_ranges
+    readings = [_char_ranges(_CATEGORY[cat], 0), _char_ranges(_CATEGORY[cat], re.ASCII)]
+    if cat in (_c.CATEGORY_SPACE, _c.CATEGORY_NOT_SPACE):
+        readings.append(_ECMA_SPACE if cat == _c.CATEGORY_SPACE else _invert(_ECMA_SPACE))
+    wide = _merge([r for x in readings for r in x])
+    narrow = readings[0]
+    for x in readings[1:]:
+        narrow = _intersect(narrow, x)
+    return wide, narrow
+
+
+def _class(items) -> list[tuple[int, int]]:
+    """The widest code point ranges of a ``[...]`` class's parsed items."""
+    negate = bool(items) and items[0][0] is _c.NEGATE
+    ranges = []
+    for op, av in items[1:] if negate else items:
+        if op is _c.LITERAL:
+            ranges.append((av, av))
+        elif op is _c.RANGE:
+            ranges.append(av)
+        elif op is _c.CATEGORY and av in _CATEGORY:
+            ranges += _category(av)[1 if negate else 0]
+        else:
+            raise Unsupported(f"class item {op}")
+    return _invert(ranges) if negate else _merge(ranges)
+
+
+def _charclass(ranges):
+    from greenery import Charclass
+    return Charclass(tuple((chr(a), chr(b)) for a, b in ranges))
+
+
+def _mult(sub, lo: int, hi: int | None):
+    from greenery.bound import Bound
+    from greenery.multiplier import Multiplier
+    from greenery.rxelems import Mult, Pattern
+    return Mult(sub if isinstance(sub, Pattern) else sub, Multiplier(Bound(lo), Bound(hi)))
+
+
+def _pattern(concs):
+    from greenery.rxelems import Pattern
+    return Pattern(*concs)
+
+
+def _conc(mults):
+    from greenery.rxelems import Conc
+    return Conc(*mults)
+
+
+def _seq(items, dotall: bool):
+    """A parsed sequence (no anchors inside) as a greenery Conc."""
+    mults = []
+    for op, av in items:
+        if op is _c.LITERAL:
+            mults.append(_mult(_charclass([(av, av)]), 1, 1))
+        elif op is _c.NOT_LITERAL:
+            mults.append(_mult(_charclass(_invert([(av, av)])), 1, 1))
+        elif op is _c.ANY:   # Python's "." is all but \n, ECMA-262's also excludes \r, U+2028/9
+            mults.append(_mult(_charclass([(0, _TOP)] if dotall else _invert([(10, 10)])), 1, 1))
+        elif op is _c.IN:
+            mults.append(_mult(_charclass(_class(av)), 1, 1))
+        elif op in (_c.MAX_REPEAT, _c.MIN_REPEAT):
+            lo, hi, sub = av
+            mults.append(_mult(_pattern([_seq(list(sub), dotall)]), lo, None if hi == _c.MAXREPEAT else hi))
+        elif op is _c.SUBPATTERN:
+            _, add, remove, sub = av
+            if remove or add & ~(_c.SRE_FLAG_DOTALL | _c.SRE_FLAG_UNICODE):
+                raise Unsupported("inline flags")
+            mults.append(_mult(_pattern([_seq(list(sub), dotall or bool(add & _c.SRE_FLAG_DOTALL))]), 1, 1))
+        elif op is _c.BRANCH:
+            mults.append(_mult(_pattern([_seq(list(alt), dotall) for alt in av[1]]), 1, 1))
+        else:   # AT (anchors, \b), ASSERT / ASSERT_NOT, GROUPREF, ATOMIC_GROUP, POSSESSIVE_REPEAT, ...
+            raise Unsupported(str(op))
+    return _conc(mults)
+
+
+def _alternatives(items) -> list[list]:
+    """The pattern's top-level alternatives (a group around the whole pattern unwrapped)."""
+    items = list(items)
+    while len(items) == 1 and items[0][0] is _c.SUBPATTERN and not items[0][1][1] and not items[0][1][2]:
+        items = list(items[0][1][3])
+    if len(items) == 1 and items[0][0] is _c.BRANCH:
+        return [list(alt) for alt in items[0][1][1]]
+    return [items]
+
+
+def widest_language(pattern: str):
+    """A greenery ``Pattern`` of every whole string in which ``pattern`` finds a match under any
+    reading (module doc). Raises :class:`Unsupported`."""
+    try:
+        parsed = _p.parse(pattern)
+    except re.error as e:
+        raise Unsupported(f"not a regex: {e}") from None
+    if parsed.state.flags & ~(_c.SRE_FLAG_UNICODE):
+        raise Unsupported("global flags")
+    anything = _mult(_charclass([(0, _TOP)]), 0, None)
+    concs = []
+    for alt in _alternatives(parsed.data if hasattr(parsed, "data") else parsed):
+        start = bool(alt) and alt[0] == (_c.AT, _c.AT_BEGINNING) or bool(alt) and alt[0] == (_c.AT, _c.AT_BEGINNING_STRING)
+        alt = alt[1:] if start else alt
+        end = None
+        if alt and alt[-1][0] is _c.AT and alt[-1][1] in (_c.AT_END, _c.AT_END_STRING):
+            end, alt = alt[-1][1], alt[:-1]
+        body = _seq(alt, False)
+        mults = ([] if start else [anything]) + list(body.mults)
+        if end is None:
+            mults.append(anything)
+        elif end is _c.AT_END:   # Python's $ matches before a final newline too
+            mults.append(_mult(_charclass([(10, 10)]), 0, 1))
+        concs.append(_conc(mults))
+    return _pattern(concs)
+
+
+def _class_regex(ranges) -> str:
+    """Code point ranges as one regex atom of explicit ranges."""
+    ranges = [(a, min(b, _TOP)) for a, b in _merge(ranges) if a <= _TOP]
+    if len(ranges) == 1 and ranges[0][0] == ranges[0][1]:
+        return _char(ranges[0][0])
+    return "[" + "".join(_char(a) if a == b else f"{_char(a)}-{_char(b)}" for a, b in ranges) + "]"
+
+
+# Regexes under construction: (text, kind), kind "eps" (the empty string), "atom" (one class or
+# group), "cat" (a concatenation) or "alt" (an alternation); None is the empty language.
+_EPS = ("", "eps")
+
+
+def _alt(a, b):
+    if a is None or a == b:
+        return b
+    if b is None:
+        return a
+    if a == _EPS or b == _EPS:
+        x = b if a == _EPS else a
+        if x[1] == "atom" and x[0].endswith(("?", "*")):
+            return x   # matches the empty string already
+        return (x[0] + "?" if x[1] == "atom" else f"(?:{x[0]})?", "atom")
+    return (a[0] + "|" + b[0], "alt")
+
+
+def _cat(a, b):
+    if a is None or b is None:
+        return None
+    if a == _EPS:
+        return b
+    if b == _EPS:
+        return a
+    wrap = lambda x: f"(?:{x[0]})" if x[1] == "alt" else x[0]   # noqa: E731
+    return (wrap(a) + wrap(b), "cat")
+
+
+def _star(a):
+    if a is None or a == _EPS:
+        return _EPS
+    return (a[0] + "*" if a[1] == "atom" and not a[0].endswith(("?", "*")) else f"(?:{a[0]})*", "atom")
+
+
+def _complement_dfa(fsm) -> tuple:
+    """(initial, finals, edges) of the DFA accepting what greenery's ``fsm`` does not: missing
+    transitions go to a new non-final sink, which then accepts as every non-final state does.
+    ``edges``: state -> {target: code point ranges}."""
+    sink = object()
+    edges: dict = {sink: {sink: [(0, _TOP)]}}
+    for i in fsm.states:
+        out = edges.setdefault(i, {})
+        covered = []
+        for cls, j in fsm.map.get(i, {}).items():
+            rs = _invert(cls.ord_ranges) if cls.negated else [(a, min(b, _TOP)) for a, b in cls.ord_ranges if a <= _TOP]
+            if rs:
+                out.setdefault(j, []).extend(rs)
+                covered += rs
+        rest = _invert(covered)
+        if rest:
+            out.setdefault(sink, []).extend(rest)
+    finals = {i for i in fsm.states if i not in fsm.finals} | {sink}
+    return fsm.initial, finals, edges
+
+
+def _dfa_regex(initial, finals, edges) -> str | None:
+    """A regex of a DFA's language by state elimination (Brzozowski and McCluskey, 1963), each
+    edge's characters merged into one class; None for the empty language."""
+    live, grew = set(finals), True
+    while grew:   # states from which a final state is reachable
+        grew = False
+        for i, out in edges.items():
+            if i not in live and any(j in live for j in out):
+                live.add(i)
+                grew = True
+    if initial not in live:
+        return None
+    start, final = object(), object()
+    r = {(i, j): (_class_regex(rs), "atom") for i, out in edges.items() if i in live
+         for j, rs in out.items() if j in live and rs}
+    r[(start, initial)] = _EPS
+    for f in finals & live:
+        r[(f, final)] = _EPS
+    nodes = set(live)
+    while nodes:
+        def degree(k):
+            ins = sum(1 for (i, j) in r if j == k and i != k)
+            outs = sum(1 for (i, j) in r if i == k and j != k)
+            return ins * outs
+        k = min(nodes, key=degree)
+        nodes.discard(k)
+        loop = _star(r.pop((k, k), None))
+        ins = [(i, x) for (i, j), x in r.items() if j == k]
+        outs = [(j, x) for (i, j), x in r.items() if i == k]
+        for i, _ in ins:
+            del r[(i, k)]
+        for j, _ in outs:
+            del r[(k, j)]
+        for i, a in ins:
+            for j, b in outs:
+                r[(i, j)] = _alt(r.get((i, j)), _cat(_cat(a, loop), b))
+        if sum(len(x[0]) for x in r.values()) > MAX_CHARS:
+            raise Unsupported("the complement's regex grows past MAX_CHARS")
+    out = r.get((start, final))
+    return None if out is None else out[0]
+
+
+def _char(c: int) -> str:
+    ch = chr(c)
+    if ch.isascii() and ch.isalnum():
+        return ch
+    return "\\x{%x}" % c
+
+
+def _positions(node) -> int:
+    """Character positions of a greenery regex with its bounded repeats written out: what
+    building its automaton costs (greenery's construction slows down past a few hundred)."""
+    from greenery import Charclass
+    from greenery.rxelems import Conc, Mult, Pattern
+    if isinstance(node, Charclass):
+        return 1
+    if isinstance(node, Pattern):
+        return sum(_positions(c) for c in node.concs)
+    if isinstance(node, Conc):
+        return sum(_positions(m) for m in node.mults)
+    lo, hi = node.multiplier.min.v, node.multiplier.max.v
+    return _positions(node.multiplicand) * max(1, hi if hi is not None else lo + 1)
+
+
+@functools.lru_cache(maxsize=256)
+def complement(pattern: str) -> str | None:
+    """An anchored regex (``^...$``) matching exactly the strings outside :func:`widest_language`
+    of ``pattern`` (None: there is no such string). Raises :class:`Unsupported`."""
+    language = widest_language(pattern)
+    if _positions(language) > MAX_POSITIONS:
+        raise Unsupported(f"{_positions(language)} positions with the bounded repeats written out")
+    fsm = language.to_fsm().reduce()
+    if len(fsm.states) > MAX_STATES:
+        raise Unsupported(f"{len(fsm.states)} DFA states")
+    body = _dfa_regex(*_complement_dfa(fsm))
+    if body is None:
+        return None
+    out = f"^(?:{body})$"
+    if len(out) > MAX_CHARS:
+        raise Unsupported(f"a complement of {len(out)} characters")
+    return out
