@@ -676,8 +676,7 @@ def _llguidance_grammar(spec: GrammarSpec, special: frozenset = frozenset()) -> 
     import llguidance as llg
     v = spec.kind, spec.value
     if spec.kind == "json_schema":
-        return llg.LLMatcher.grammar_from_json_schema(json.dumps(_llguidance_schema(spec.value, spec.strict)),
-                                                      overrides=_LLG_JSON)
+        return _llguidance_json_grammar(spec)[0]
     if spec.kind == "regex":
         return llg.LLMatcher.grammar_from_regex(spec.value)
     if spec.kind == "lark":
@@ -687,6 +686,17 @@ def _llguidance_grammar(spec: GrammarSpec, special: frozenset = frozenset()) -> 
         return llg.LLMatcher.grammar_from_lark(tools_lark(v["tools"], v.get("tool_choice", "auto"),
                                                           v.get("parallel_tool_calls", True), special))
     raise GrammarCompileError(f"no llguidance route for a {spec.kind} grammar")  # backend_for never asks
+
+
+def _llguidance_json_grammar(spec: GrammarSpec) -> tuple[str, frozenset]:
+    """(llguidance grammar text, the paths of the unique arrays of free strings left to the
+    matcher: :func:`replicas.unique_items.remove_unique_items`) for a json_schema spec."""
+    import llguidance as llg
+
+    from replicas.unique_items import remove_unique_items
+    schema = _llguidance_schema(spec.value, spec.strict)
+    paths = remove_unique_items(schema) or frozenset() if '"uniqueItems"' in json.dumps(schema) else frozenset()
+    return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_LLG_JSON), paths
 
 
 def _llguidance_refusal(spec: GrammarSpec, message: str) -> str:
@@ -831,6 +841,7 @@ class LLGuidanceGrammar:
     grammar: str
     template: Any
     tokenizer: Any  # the llguidance.LLTokenizer
+    unique_paths: frozenset = frozenset()   # arrays of free strings checked while decoding (replicas/unique_items.py)
 
     @property
     def memory_size_bytes(self) -> int:
@@ -911,7 +922,8 @@ def _llguidance_tokenizer(tokenizer, vocab_size: int, stop_token_ids: list[int])
     return tok, frozenset(special)
 
 
-def _llguidance_compile(tok, special: frozenset, spec: GrammarSpec, grammar: str | None = None) -> LLGuidanceGrammar:
+def _llguidance_compile(tok, special: frozenset, spec: GrammarSpec, grammar: str | None = None,
+                        unique_paths: frozenset = frozenset()) -> LLGuidanceGrammar:
     """Build and check an llguidance matcher for ``spec`` (or for ``grammar``, its JSON form,
     already built), computing its first mask so that lazy errors surface here.
 
@@ -920,6 +932,8 @@ def _llguidance_compile(tok, special: frozenset, spec: GrammarSpec, grammar: str
     """
     import llguidance as llg
     try:
+        if grammar is None and spec.kind == "json_schema":
+            grammar, unique_paths = _llguidance_json_grammar(spec)
         grammar = grammar or _llguidance_grammar(spec, special)
     except ValueError as e:
         raise GrammarCompileError(_llguidance_refusal(spec, str(e))) from None
@@ -928,7 +942,7 @@ def _llguidance_compile(tok, special: frozenset, spec: GrammarSpec, grammar: str
         m.compute_bitmask()
     if m.is_error():
         raise GrammarCompileError(_llguidance_refusal(spec, m.get_error()))
-    return LLGuidanceGrammar(grammar, m, tok)
+    return LLGuidanceGrammar(grammar, m, tok, unique_paths)
 
 
 def _compile_worker(info_json: str, llg_args: tuple, conn) -> None:
@@ -947,7 +961,8 @@ def _compile_worker(info_json: str, llg_args: tuple, conn) -> None:
                 conn.send(("ok", _compile_with(compiler, spec).serialize_json()))
             else:
                 llg_tok = llg_tok or _llguidance_tokenizer(*llg_args)
-                conn.send(("ok", _llguidance_compile(*llg_tok, spec).grammar))
+                compiled = _llguidance_compile(*llg_tok, spec)
+                conn.send(("ok", (compiled.grammar, compiled.unique_paths)))
         except GrammarCompileError as e:
             conn.send(("refused", str(e)))
         except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own types
@@ -1064,7 +1079,7 @@ class GrammarCompiler:
         except (EOFError, OSError):
             self._stop()
             raise GrammarCompileError(f"the grammar compiler died on this {spec.kind} grammar") from None
-        if (status != "ok" and "bad_alloc" in payload) or self._rss() > self.memory_bytes // 2:
+        if (status != "ok" and "bad_alloc" in str(payload)) or self._rss() > self.memory_bytes // 2:
             # The process keeps what it grew to: a fresh one, so that the next grammar is not
             # refused for memory a previous one took.
             self._stop()
@@ -1075,7 +1090,8 @@ class GrammarCompiler:
         if backend == "llguidance":
             # Rebuilt here from the checked text (milliseconds for most grammars; the compiler
             # process bounded the time); counted by the text's size.
-            return _llguidance_compile(*self.llg, spec, grammar=payload), len(payload)
+            text, paths = payload
+            return _llguidance_compile(*self.llg, spec, grammar=text, unique_paths=paths), len(text)
         compiled = self.xgr.CompiledGrammar.deserialize_json(payload, self.info)
         size = len(payload)
         del payload
@@ -1139,10 +1155,27 @@ class GrammarCompiler:
 
     def matcher(self, spec: GrammarSpec) -> Matcher:
         """A fresh :class:`Matcher` for one request (xgrammar's or llguidance's)."""
-        compiled = self.compile(spec)
+        return self.matcher_of(self.compile(spec))
+
+    def matcher_of(self, compiled) -> Matcher:
+        """A fresh :class:`Matcher` for a grammar :meth:`compile` returned."""
         if isinstance(compiled, LLGuidanceGrammar):
+            if compiled.unique_paths:
+                from replicas.unique_items import UniqueStringsMatcher
+                return UniqueStringsMatcher(LLGuidanceMatcher(compiled), compiled.unique_paths,
+                                            *self._token_bytes(compiled.tokenizer), compiled.tokenizer.eos_tokens)
             return LLGuidanceMatcher(compiled)
         return XGrammarMatcher(compiled)
+
+    def _token_bytes(self, tok) -> tuple:
+        """(each token's bytes, ids of the tokens holding a quote, ids holding a quote and a
+        bracket) for llguidance tokenizer ``tok``: built once."""
+        if getattr(self, "_bytes_of", None) is None:
+            data = [tok.decode_bytes([t]) for t in range(tok.vocab_size)]
+            quotes = [t for t, b in enumerate(data) if b'"' in b]
+            self._bytes_of = (data, torch.tensor(quotes, dtype=torch.long),
+                              torch.tensor([t for t in quotes if b"[" in data[t]], dtype=torch.long))
+        return self._bytes_of
 
     def backend_of(self, spec: GrammarSpec) -> str:
         """Which backend serves ``spec`` ("xgrammar" or "llguidance"; compiles it where a fallback
@@ -1186,6 +1219,8 @@ class GrammarCompiler:
                                                          bitmask)
             for i in llg_rows:
                 matchers[i].masked = True
+                if hasattr(matchers[i], "restrict"):   # unique arrays checked on the text
+                    matchers[i].restrict(bitmask[i])
                 if matchers[i].native.is_error():
                     bitmask[i].zero_()
                     for t in self.info.stop_token_ids:
