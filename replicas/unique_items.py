@@ -1,10 +1,11 @@
-"""``uniqueItems`` over arrays of free strings, enforced while decoding.
+"""``uniqueItems`` over arrays of strings, enforced while decoding.
 
 No grammar can say "these strings are distinct" for an unbounded set of strings, so llguidance
 refuses ``uniqueItems`` (``replicas/schema_collections.py`` writes it out only over a small
-finite set of items). Where every array that must be unique holds *free* strings (``items`` is
-``{type: string}`` with at most a ``minLength``: no ``maxLength``, ``pattern``, ``format`` or
-``enum``) at places of the instance known from the schema, the keyword is removed from the
+finite set of items: at most 128 arrays). Where every array that must be unique holds *free*
+strings (``items`` is ``{type: string}`` with at most a ``minLength``: no ``maxLength``,
+``pattern`` or ``format``) or strings of an ``enum`` / ``const`` of plain ASCII values (one way
+to write each) at places of the instance known from the schema, the keyword is removed from the
 grammar and checked on the text instead, exactly:
 
 - :func:`unique_string_paths` finds those places: instance paths (object keys, ``ITEM`` for an
@@ -17,12 +18,16 @@ grammar and checked on the text instead, exactly:
   (a stack of objects and arrays with their paths). A token that would close an element of a
   unique array equal to an earlier one (compared as decoded strings) is refused by
   ``accept_token`` and masked out of the step's bitmask (:meth:`restrict`), so sampling never
-  draws it. A free string can always go on with another character instead, so masking never
-  leaves a sequence without a way forward (should a mask still end empty, only EOS stays).
+  draws it. A free string can always go on with another character instead. For an enum the
+  check looks ahead: a token is also refused where the open item would start no value left
+  unused, or where a comma would ask for an item when every value is used. So masking never
+  leaves a sequence without a way forward (should a mask still end empty, as for an array whose
+  ``minItems`` exceeds its values, which no instance meets, only EOS stays).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -38,28 +43,43 @@ class _Unsupported(Exception):
     pass
 
 
-def _free_strings(node: dict, root: Any) -> bool:
+def _plain(v: Any) -> bool:
+    """A string JSON writes one way only: printable ASCII, no quote, no backslash."""
+    return isinstance(v, str) and all(" " <= ch <= "~" and ch not in '"\\' for ch in v)
+
+
+def _item_values(node: dict, root: Any):
+    """What a unique array ``node`` may hold, for the check: None for free strings, the frozenset
+    of values for an ``enum`` / ``const`` of plain strings. Raises :class:`_Unsupported` otherwise."""
     from replicas.schema_oneof import UnresolvedRef, resolve_pointer
+    if any(k in node for k in ("prefixItems", "additionalItems", "contains")):
+        raise _Unsupported
     items = node.get("items")
-    seen = 0
-    while isinstance(items, dict) and isinstance(items.get("$ref"), str) and set(items) <= _FREE | {"$ref"}:
+    for _ in range(32):
+        if not (isinstance(items, dict) and isinstance(items.get("$ref"), str) and set(items) <= _FREE | {"$ref"}):
+            break
         try:
             items = resolve_pointer(root, items["$ref"])
         except UnresolvedRef:
-            return False
-        seen += 1
-        if seen > 32:
-            return False
-    return (isinstance(items, dict) and items.get("type") == "string" and set(items) <= _FREE
-            and not any(k in node for k in ("prefixItems", "additionalItems", "contains")))
+            raise _Unsupported from None
+    if not isinstance(items, dict):
+        raise _Unsupported
+    if items.get("type") == "string" and set(items) <= _FREE:
+        return None
+    values = items["enum"] if isinstance(items.get("enum"), list) else [items["const"]] if "const" in items else None
+    if (values and all(_plain(v) for v in values) and items.get("type", "string") == "string"
+            and set(items) <= _FREE | {"enum", "const"}):
+        return frozenset(values)
+    raise _Unsupported
 
 
 def unique_string_paths(root: Any) -> frozenset | None:
-    """The instance paths of ``root``'s arrays with ``uniqueItems: true`` (module doc), or None
-    where one of them is not an array of free strings at a place this can name. An empty set:
-    no such array."""
+    """``(instance path, values)`` for ``root``'s arrays with ``uniqueItems: true`` (module doc;
+    values: None for free strings, else the enum's frozenset), or None where one of them holds
+    other items, is at a place this cannot name, or one place may be asked two kinds of items.
+    An empty set: no such array."""
     from replicas.schema_oneof import UnresolvedRef, resolve_pointer
-    out: set = set()
+    out: dict = {}
     visits = 0
 
     def walk(node: Any, path: tuple, stack: frozenset) -> None:
@@ -78,9 +98,9 @@ def unique_string_paths(root: Any) -> frozenset | None:
             except UnresolvedRef:
                 raise _Unsupported from None
         if node.get("uniqueItems") is True:
-            if not _free_strings(node, root):
-                raise _Unsupported
-            out.add(path)
+            values = _item_values(node, root)
+            if out.setdefault(path, values) != values:
+                raise _Unsupported   # two kinds of items asked at one place
         for k, sub in (node.get("properties") or {}).items() if isinstance(node.get("properties"), dict) else ():
             walk(sub, path + (k,), stack)
         for sub in (node.get("patternProperties") or {}).values() if isinstance(node.get("patternProperties"), dict) else ():
@@ -103,7 +123,10 @@ def unique_string_paths(root: Any) -> frozenset | None:
         walk(root, (), frozenset())
     except (_Unsupported, RecursionError):
         return None
-    return frozenset(out)
+    for (a, va), (b, vb) in itertools.combinations(out.items(), 2):
+        if va != vb and _overlap(a, b):
+            return None   # one array could be asked for two kinds of items
+    return frozenset(out.items())
 
 
 def remove_unique_items(root: Any) -> frozenset | None:
@@ -117,6 +140,10 @@ def remove_unique_items(root: Any) -> frozenset | None:
         if node.get("uniqueItems") is True:
             del node["uniqueItems"]
     return paths
+
+
+def _overlap(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(x == y or (ANY_KEY in (x, y) and ITEM not in (x, y)) for x, y in zip(a, b))
 
 
 def _matches(pattern: tuple, path: tuple) -> bool:
@@ -149,6 +176,18 @@ class _Scan:
         top = self.stack[-1]
         return top["path"] + ((top["key"],) if top["kind"] == "obj" else (ITEM,))
 
+    def viable(self) -> bool:
+        """Whether an array of an ``enum`` can still be finished: an open item is the start of a
+        value not used yet, and an item after a comma has one left to be."""
+        top = self.stack[-1] if self.stack else None
+        if top is None or top["kind"] != "arr" or top.get("values") is None:
+            return True
+        left = top["values"] - top["seen"]
+        if self.in_str:
+            partial = b'"' + self.raw
+            return any(json.dumps(v).encode().startswith(partial) for v in left)
+        return top["expect"] != "item" or bool(left)
+
     def feed(self, data: bytes) -> bool:
         for c in data:
             if self.in_str:
@@ -169,6 +208,8 @@ class _Scan:
                         if value in top["seen"]:
                             return False
                         top["seen"] = top["seen"] | {value}
+                    if top is not None and top["kind"] == "arr":
+                        top["expect"] = "sep"
                     continue
                 self.raw += bytes((c,))
                 continue
@@ -182,13 +223,16 @@ class _Scan:
                 if c == 0x7B:
                     self.stack.append({"kind": "obj", "path": path, "key": None, "expect": "key"})
                 else:
-                    self.stack.append({"kind": "arr", "path": path, "seen": frozenset(),
-                                       "unique": any(_matches(p, path) for p in self.paths)})
+                    hits = [v for p, v in self.paths if _matches(p, path)]
+                    self.stack.append({"kind": "arr", "path": path, "seen": frozenset(), "unique": bool(hits),
+                                       "values": hits[0] if hits else None, "expect": "first"})
             elif c in (0x7D, 0x5D):   # } ]
                 if self.stack:
                     self.stack.pop()
-            elif c == 0x2C and self.stack and self.stack[-1]["kind"] == "obj":   # ,
-                self.stack[-1]["expect"] = "key"
+                if self.stack and self.stack[-1]["kind"] == "arr":
+                    self.stack[-1]["expect"] = "sep"
+            elif c == 0x2C and self.stack:   # ,
+                self.stack[-1]["expect"] = "key" if self.stack[-1]["kind"] == "obj" else "item"
             elif c == 0x3A and self.stack and self.stack[-1]["kind"] == "obj":   # :
                 self.stack[-1]["expect"] = "value"
         return True
@@ -216,8 +260,10 @@ class UniqueStringsMatcher:
     def masked(self, value: bool) -> None:
         self.inner.masked = value
 
-    def _repeats(self, data: bytes) -> bool:
-        return not self._scan.copy().feed(data)
+    def _blocked(self, data: bytes) -> bool:
+        """Whether ``data`` would close a repeated item, or leave an enum's array unfinishable."""
+        scan = self._scan.copy()
+        return not scan.feed(data) or not scan.viable()
 
     def accept_token(self, token: int) -> bool:
         if token in self._stop:
@@ -226,7 +272,7 @@ class UniqueStringsMatcher:
                 self._lens.append(0)
             return ok
         data = self._bytes[token]
-        if self._repeats(data) or not self.inner.accept_token(token):
+        if self._blocked(data) or not self.inner.accept_token(token):
             return False
         self._scan.feed(data)
         self._text += data
@@ -235,7 +281,7 @@ class UniqueStringsMatcher:
 
     def accept_string(self, text: str) -> bool:
         data = text.encode()
-        if self._repeats(data):
+        if self._blocked(data):
             return False
         ids = self.inner._tok.tokenize_str(text)
         if not self.inner.accept_string(text):
@@ -261,8 +307,8 @@ class UniqueStringsMatcher:
         if not s:
             return s
         scan = self._scan.copy()
-        for i, ch in enumerate(s):   # cut before a character that would close a repeated item
-            if not scan.feed(ch.encode()):
+        for i, ch in enumerate(s):   # cut before a character the check would refuse
+            if not scan.feed(ch.encode()) or not scan.viable():
                 return s[:i]
         return s
 
@@ -271,11 +317,17 @@ class UniqueStringsMatcher:
         """Clear, in ``row`` (this matcher's int32 bitmask words), the tokens that would close a
         repeated item of a unique array; if nothing is left, allow only the stop tokens."""
         top = self._scan.stack[-1] if self._scan.stack else None
-        ids = self._quotes if top is not None and top["kind"] == "arr" and top["unique"] else self._open_quotes
-        allowed = ids[((row[ids // 32] >> (ids % 32)) & 1).bool()].tolist()
+        if top is not None and top["kind"] == "arr" and top["values"] is not None:
+            words = row.nonzero().flatten()   # an enum's array: every allowed token (few) is looked at
+            bits = ((row[words].unsqueeze(1).long() & 0xFFFFFFFF) >> torch.arange(32)) & 1
+            allowed = (words.unsqueeze(1) * 32 + torch.arange(32))[bits.bool()].tolist()
+            allowed = [t for t in allowed if t < len(self._bytes) and t not in self._stop]
+        else:
+            ids = self._quotes if top is not None and top["kind"] == "arr" and top["unique"] else self._open_quotes
+            allowed = ids[((row[ids // 32] >> (ids % 32)) & 1).bool()].tolist()
         cleared = False
         for t in allowed:
-            if self._repeats(self._bytes[t]):
+            if self._blocked(self._bytes[t]):
                 word, bit = divmod(t, 32)
                 w = (int(row[word]) & 0xFFFFFFFF) & ~(1 << bit)
                 row[word] = w - (1 << 32) if w >= 1 << 31 else w

@@ -26,12 +26,21 @@ TAGS = {"type": "array", "items": STR, "uniqueItems": True}
     ({"type": "array", "items": {"type": "string", "minLength": 2, "description": "d"}, "uniqueItems": True}, {()}),
 ])
 def test_paths_of_unique_arrays(schema, paths):
-    assert unique_string_paths(schema) == frozenset(paths)
+    assert unique_string_paths(schema) == frozenset((p, None) for p in paths)
+
+
+def test_enum_items_carry_their_values():
+    schema = {"type": "object", "properties": {"l": {"type": "array", "uniqueItems": True,
+                                                     "items": {"type": "string", "enum": ["a", "b", "c", "d", "e", "f"]}}}}
+    assert unique_string_paths(schema) == frozenset({(("l",), frozenset("abcdef"))})
+    clash = {"type": "object", "properties": {"l": {"type": "array", "items": STR, "uniqueItems": True}},
+             "anyOf": [{"properties": {"l": {"type": "array", "items": {"enum": ["a"]}, "uniqueItems": True}}}]}
+    assert unique_string_paths(clash) is None   # one place, two kinds of items
 
 
 @pytest.mark.parametrize("schema", [
     {"type": "array", "items": {"type": "string", "maxLength": 3}, "uniqueItems": True},   # bounded: may dead-end
-    {"type": "array", "items": {"type": "string", "enum": ["a", "b", "c", "d", "e", "f"]}, "uniqueItems": True},
+    {"type": "array", "items": {"type": "string", "enum": ["a", "b\"", "c"]}, "uniqueItems": True},   # escaped: two spellings
     {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
     {"type": "array", "uniqueItems": True},
     {"$defs": {"n": {"type": "object", "properties": {"k": {"$ref": "#/$defs/n"}, "t": TAGS}}}, "$ref": "#/$defs/n"},
@@ -68,6 +77,38 @@ def test_unique_strings_served_exactly(engine, schema, valid, invalid):
     for _ in range(20):   # the mask never lets a repeated item through
         text = g.sample(rng)
         assert text is None or v.is_valid(json.loads(text)), text
+
+
+ENUM6 = {"type": "array", "uniqueItems": True, "items": {"type": "string", "enum": ["a", "ab", "b", "c", "d", "e"]}}
+
+
+@pytest.mark.parametrize("schema,valid,invalid", [
+    ({"type": "object", "properties": {"l": ENUM6}, "required": ["l"]},
+     [{"l": ["a", "ab"]}, {"l": ["ab", "a", "b", "c", "d", "e"]}, {"l": []}],
+     [{"l": ["a", "a"]}, {"l": ["ab", "c", "ab"]}, {"l": ["x"]}]),
+    ({**ENUM6, "minItems": 6}, [["e", "d", "c", "b", "ab", "a"]], [["a", "b", "c", "d", "e"], ["a"] * 6]),
+])
+def test_unique_enum_strings_served_exactly(engine, schema, valid, invalid):
+    test_unique_strings_served_exactly(engine, schema, valid, invalid)
+
+
+def test_enum_array_looks_ahead(engine):
+    """Every value but "ab" used: after '"a' only 'b"' is left, a comma after the last value is
+    refused, and every token the mask leaves is one the matcher takes (no dead end)."""
+    import torch
+    m = engine.grammar.matcher(GrammarSpec("json_schema", ENUM6))
+    assert m.accept_string('["a", "b", "c", "d", "e", "a') and not m.accept_string('"') and m.accept_string('b"')
+    assert not m.accept_string(", ")   # no value left for another item
+    m2 = engine.grammar.matcher(GrammarSpec("json_schema", ENUM6))
+    assert m2.accept_string('["ab", "b", "c", "d", "e", ')
+    logits = torch.zeros(1, engine.grammar.vocab_size)
+    engine.grammar.apply_bitmask(logits, [m2])
+    allowed = [t for t in range(engine.grammar.vocab_size) if logits[0, t] > float("-inf")]
+    assert allowed
+    for t in allowed:
+        assert m2.accept_token(t), engine.tokenizer.decode([t])
+        m2.rollback(1)
+    assert m2.accept_string('"a"]')
 
 
 def _ids(engine, text):
