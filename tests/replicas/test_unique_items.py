@@ -172,3 +172,17 @@ def test_engine_output_has_no_repeated_item(engine, chat_prompts):
     assert finished, [o.finish_reason for o in outs]
     for o in finished:
         assert v.is_valid(json.loads(o.text)), o.text
+
+
+def test_engine_fills_an_enum_array_without_dead_end(engine, chat_prompts):
+    """minItems equal to the enum's size: every output must use each value once, in some order,
+    and each ends its JSON (the look-ahead leaves no sequence stuck)."""
+    from replicas.sampling_params import SamplingParams
+    schema = {"type": "object", "properties": {"l": {**ENUM6, "minItems": 6}}, "required": ["l"],
+              "additionalProperties": False}
+    outs = engine.generate((chat_prompts * 8)[:8], SamplingParams(max_tokens=120, temperature=1.0, seed=5),
+                           [GrammarSpec("json_schema", schema)] * 8)
+    v = _validator(schema)
+    for o in outs:
+        assert o.finish_reason == "stop", (o.finish_reason, o.text)
+        assert v.is_valid(json.loads(o.text)) and sorted(json.loads(o.text)["l"]) == sorted(ENUM6["items"]["enum"])
