@@ -475,7 +475,7 @@ def ecma_whitespace(pattern: str) -> str:
     return "".join(out)
 
 
-def _llguidance_schema(schema: Any, strict: bool) -> Any:
+def _llguidance_schema(schema: Any, strict: bool, inline_refs: bool = False) -> Any:
     """A copy of ``schema`` for llguidance: each ``oneOf`` as an exact ``anyOf`` where its
     members' overlaps can be negated in keywords llguidance enforces
     (:func:`replicas.schema_oneof.rewrite_one_of`), custom (undefined) formats dropped, ``date`` /
@@ -483,11 +483,18 @@ def _llguidance_schema(schema: Any, strict: bool) -> Any:
     where the node has no ``pattern``); with ``strict``,
     no properties beyond those named (``additionalProperties: false`` where absent, except on
     direct ``allOf`` members, which other members may extend) and no items beyond
-    ``prefixItems``, as xgrammar's strict mode."""
+    ``prefixItems``, as xgrammar's strict mode. With ``inline_refs`` (a retry where llguidance
+    refused recursive references it must intersect), a draft 3 to 7 schema's ``$ref`` siblings
+    are removed first (they are ignored there) and such references are inlined last
+    (:mod:`replicas.schema_refs`)."""
     import copy
+
+    from replicas.schema_refs import drop_legacy_ref_siblings, inline_intersected_refs
     schema = copy.deepcopy(schema)
     in_allof = set()
     legacy = _legacy_draft(schema)
+    if inline_refs and legacy:
+        drop_legacy_ref_siblings(schema)
     for node, where in _walk(schema):
         if isinstance(node.get("allOf"), list):
             in_allof.update(id(m) for m in node["allOf"])
@@ -513,6 +520,8 @@ def _llguidance_schema(schema: Any, strict: bool) -> Any:
             node["pattern"] = ecma_whitespace(node["pattern"])
         if isinstance(node.get("patternProperties"), dict):
             node["patternProperties"] = {ecma_whitespace(k): v for k, v in node["patternProperties"].items()}
+    if inline_refs:
+        inline_intersected_refs(schema)
     return schema
 
 
@@ -688,13 +697,14 @@ def _llguidance_grammar(spec: GrammarSpec, special: frozenset = frozenset()) -> 
     raise GrammarCompileError(f"no llguidance route for a {spec.kind} grammar")  # backend_for never asks
 
 
-def _llguidance_json_grammar(spec: GrammarSpec) -> tuple[str, frozenset]:
+def _llguidance_json_grammar(spec: GrammarSpec, inline_refs: bool = False) -> tuple[str, frozenset]:
     """(llguidance grammar text, the paths of the unique arrays of free strings left to the
-    matcher: :func:`replicas.unique_items.remove_unique_items`) for a json_schema spec."""
+    matcher: :func:`replicas.unique_items.remove_unique_items`) for a json_schema spec;
+    ``inline_refs``: see :func:`_llguidance_schema`."""
     import llguidance as llg
 
     from replicas.unique_items import remove_unique_items
-    schema = _llguidance_schema(spec.value, spec.strict)
+    schema = _llguidance_schema(spec.value, spec.strict, inline_refs)
     paths = remove_unique_items(schema) or frozenset() if '"uniqueItems"' in json.dumps(schema) else frozenset()
     return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_LLG_JSON), paths
 
@@ -931,18 +941,31 @@ def _llguidance_compile(tok, special: frozenset, spec: GrammarSpec, grammar: str
         GrammarCompileError: llguidance refused the grammar (its message, with where for schemas).
     """
     import llguidance as llg
-    try:
-        if grammar is None and spec.kind == "json_schema":
-            grammar, unique_paths = _llguidance_json_grammar(spec)
-        grammar = grammar or _llguidance_grammar(spec, special)
-    except ValueError as e:
-        raise GrammarCompileError(_llguidance_refusal(spec, str(e))) from None
-    m = llg.LLMatcher(tok, grammar, log_level=0)
-    if not m.is_error():
-        m.compute_bitmask()
-    if m.is_error():
-        raise GrammarCompileError(_llguidance_refusal(spec, m.get_error()))
+
+    def build(inline_refs: bool):
+        nonlocal grammar, unique_paths
+        try:
+            if grammar is None and spec.kind == "json_schema":
+                grammar, unique_paths = _llguidance_json_grammar(spec, inline_refs)
+            grammar = grammar or _llguidance_grammar(spec, special)
+        except ValueError as e:
+            return None, str(e)
+        m = llg.LLMatcher(tok, grammar, log_level=0)
+        if not m.is_error():
+            m.compute_bitmask()
+        return (None, m.get_error()) if m.is_error() else (m, "")
+
+    retry = grammar is None and spec.kind == "json_schema"
+    m, error = build(False)
+    if m is None and retry and _CIRCULAR in error:   # once more with those references inlined
+        grammar = None
+        m, error = build(True)
+    if m is None:
+        raise GrammarCompileError(_llguidance_refusal(spec, error))
     return LLGuidanceGrammar(grammar, m, tok, unique_paths)
+
+
+_CIRCULAR = "circular references with sibling keys"   # llguidance's words (replicas/schema_refs.py)
 
 
 def _compile_worker(info_json: str, llg_args: tuple, conn) -> None:
