@@ -450,9 +450,26 @@ class Grammar:
         self.new = (lambda: compiler.matcher_of(compiled)) if backend is None else (lambda: cls(compiled))
         self.eos = compiler.info.stop_token_ids[0]
 
+    def _ids(self, text: str) -> list[int]:
+        """``text``'s token ids as characters: special tokens split (as ``split_special_tokens``)
+        and also the added ones (``<tools>``, ``<tool_call>``: llguidance counts those as special
+        and keeps them out of JSON strings, where the model spells them in pieces)."""
+        import re
+        if not hasattr(self, "_added"):
+            added = sorted((t.content for t in self.tok.added_tokens_decoder.values() if len(t.content) > 1),
+                           key=len, reverse=True)
+            self._added = re.compile("(" + "|".join(map(re.escape, added)) + ")") if added else None
+        enc = lambda s: self.tok(s, add_special_tokens=False, split_special_tokens=True)["input_ids"] if s else []
+        if self._added is None or not self._added.search(text):
+            return enc(text)
+        ids = []
+        for i, piece in enumerate(self._added.split(text)):
+            ids += enc(piece) if i % 2 == 0 else enc(piece[0]) + enc(piece[1:])
+        return ids
+
     def accepts(self, text: str) -> bool:
         m = self.new()
-        ids = self.tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        ids = self._ids(text)
         return all(m.accept_token(t) for t in ids) and m.accept_token(self.eos)
 
     def guided(self, x) -> str | None:
@@ -466,7 +483,7 @@ class Grammar:
         return None
 
     def _emit(self, m, text: str) -> int | None:
-        ids = self.tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] if text else []
+        ids = self._ids(text) if text else []
         for k, t in enumerate(ids):
             if not m.accept_token(t):
                 m.rollback(k)
@@ -599,7 +616,7 @@ def check_instances(g: Grammar, v, valids: list, invalids: list, schema) -> dict
 
 def check_samples(g: Grammar, v, n: int, rng: random.Random) -> dict:
     """``n`` grammar samples: how many ended, how many of those are not valid JSON or not valid."""
-    r = {"samples": 0, "samples_invalid": 0, "examples": []}
+    r = {"samples": 0, "samples_invalid": 0, "examples": [], "valid_values": []}
     for _ in range(n):
         text = g.sample(rng)
         if text is None:
@@ -612,6 +629,13 @@ def check_samples(g: Grammar, v, n: int, rng: random.Random) -> dict:
         if ok is False:
             r["samples_invalid"] += 1
             r["examples"].append(["sample invalid", text[:EXAMPLE_CHARS]])
+        elif ok:
+            value = json.loads(text)
+            try:   # (a seed for mutations: a number past float's range, 1e999, would not print back)
+                json.dumps(value, allow_nan=False)
+                r["valid_values"].append(value)
+            except ValueError:
+                pass
     return r
 
 
@@ -654,13 +678,20 @@ def check_schema(compiler, tok, schema, seed: int = 0, n_valid: int = N_VALID, n
         valids, rec["na"] = valid_instances(typed(schema), n_valid, seed)
         kept = [x for x in valids if is_valid(v, x)]
         rec["generated_not_valid"] = len(valids) - len(kept)
-        invalids = invalid_instances(v, kept, n_invalid, rng)
+        seeds, s = kept, None
+        if not kept:
+            # hypothesis-jsonschema gave nothing (a recursive schema, say): the invalid instances
+            # are mutations of the grammar's own valid samples instead (soundness only: those
+            # samples are accepted by construction, so they are not counted as valid tried)
+            s = check_samples(g, v, n_samples, rng)
+            seeds = s["valid_values"][:max(n_valid, 1)]
+            rec["invalid_seeds"] = "grammar samples" if seeds else ""
+        invalids = invalid_instances(v, seeds, n_invalid, rng)
         r = check_instances(g, v, kept, invalids, schema)
-        rec.update({k: r[k] for k in ("valid", "invalid", "valid_rejected", "invalid_accepted")})
-        rec["examples"] += r["examples"][:3]
-        s = check_samples(g, v, n_samples, rng)
+        s = s or check_samples(g, v, n_samples, rng)
         rec.update({k: s[k] for k in ("samples", "samples_invalid")})
-        rec["examples"] += s["examples"][:2]
+        rec.update({k: r[k] for k in ("valid", "invalid", "valid_rejected", "invalid_accepted")})
+        rec["examples"] = r["examples"][:3] + s["examples"][:2]
         if before_backend and before_backend != g.backend:
             signal.setitimer(signal.ITIMER_PROF, 0)
             try:

@@ -156,3 +156,16 @@ def test_text_naming_a_special_token_is_fed_as_characters(compiler):
     assert g.accepts('{"<|im_end|>": []}') and g.guided({"<|im_end|>": []}) == '{"<|im_end|>": []}'
     rec = gs.check_instances(g, gs.validator(schema), [{"<|im_end|>": []}], [], schema)
     assert rec["valid_rejected"] == 0
+
+
+def test_text_naming_an_added_token_is_fed_as_characters(compiler):
+    """``<tools>`` is an added (not special) token: llguidance keeps it out of JSON strings, where
+    the model spells it in pieces, so the checker does too (hypothesis drew the key
+    ``<tools>(.*?)</tools>``, a constant of models/chat.py, for Github_easy #1231)."""
+    tok, gc = compiler
+    schema = {"type": "object", "patternProperties": {"^x": {"type": "integer"}}}   # (llguidance)
+    g = gs.Grammar(gc, tok, schema)
+    assert g.backend == "llguidance"
+    assert len(tok("<tools>", add_special_tokens=False)["input_ids"]) == 1
+    assert g.guided({"a": {"<tools>(.*?)</tools>": []}}) == '{"a": {"<tools>(.*?)</tools>": []}}'
+    assert g.accepts('{"x<tools>": 1}') and not g.accepts('{"x<tools>": "s"}')
