@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from replicas.errors import GrammarCompileError
+from replicas.format_regex import REGEX_PATTERN
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf", "lark", "tools")
 
@@ -67,7 +68,9 @@ _UNENFORCED = ("contains", "minContains", "maxContains", "not", "if", "then", "e
 # Formats xgrammar 0.2.9 checks only by shape: "2020-02-31" passed format date (and date-time).
 # hostname: a 64-character label accepted (and "A.COM", "a.com." rejected). email: RFC 5321
 # addresses rejected ("h@x.M.AIG", "N&@ZvIMDNu.Z.Hn": JSONSchemaBench, hypothesis' emails()).
-_XGR_LOOSE_FORMATS = ("date", "date-time", "time", "hostname", "host-name", "email", "idn-email")   # time: "23:59:60Z" accepted
+# regex, iri, iri-reference, idn-hostname: not checked at all ("(" passed format regex, "a b" iri).
+_XGR_LOOSE_FORMATS = ("date", "date-time", "time", "hostname", "host-name", "email", "idn-email",   # time: "23:59:60Z" accepted
+                      "regex", "iri", "iri-reference", "idn-hostname")
 _LOOKAROUND = re.compile(r"\(\?<?[=!]")
 # xgrammar 0.2.9 reads a node without "type" as any JSON value and drops the keywords of a single
 # type there (measured: {"pattern": "^a+$"} took "b", {"minLength": 3} "b", {"minimum": 3} 1,
@@ -370,13 +373,45 @@ BACKENDS = ("xgrammar", "llguidance")
 # keywords llguidance does not implement) or `coerce_one_of` (oneOf compiled as anyOf).
 _LLG_JSON = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False,
              "lenient": False, "coerce_one_of": False}
-# Formats the JSON Schema drafts define (and `jsonschema`'s format checker knows). Any other
-# format is an annotation (validators ignore it, as xgrammar does): it is dropped for llguidance,
-# which otherwise raises "Unknown format". A defined format llguidance does not implement
-# (uri-reference, regex, ...) is kept, and llguidance refuses it.
+# Formats the JSON Schema drafts define (and `jsonschema`'s format checker knows): a schema with
+# one of these goes to llguidance (`unenforced_keywords`). Any other format is an annotation
+# (validators ignore it, as xgrammar does) and is dropped for llguidance, which would raise
+# "Unknown format"; so is one of these that the schema's draft does not define (`_draft_formats`:
+# `color` or `iri` in draft 4) where llguidance would not enforce it (one it enforces, `date` in
+# draft 4, stays: stricter than the draft, as users expect). A format of the draft that llguidance
+# does not implement (regex, ...) is kept, and llguidance refuses it.
 _DEFINED_FORMATS = {"date-time", "date", "time", "duration", "email", "idn-email", "hostname", "idn-hostname",
                     "ipv4", "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid", "uri-template",
                     "json-pointer", "relative-json-pointer", "regex", "color", "host-name", "ip-address"}
+# The formats llguidance 1.9 implements (any other raises "Unknown format").
+_LLG_FORMATS = frozenset({"date", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "time", "uri", "uuid"})
+# Those of each draft (its specification's list), by the draft's first keyword `jsonschema` knows.
+_DRAFT4_FORMATS = frozenset({"date-time", "email", "hostname", "ipv4", "ipv6", "uri"})
+_DRAFT6_FORMATS = _DRAFT4_FORMATS | {"uri-reference", "uri-template", "json-pointer"}
+_DRAFT7_FORMATS = _DRAFT6_FORMATS | {"date", "time", "idn-email", "idn-hostname", "iri", "iri-reference",
+                                     "relative-json-pointer", "regex"}
+_DRAFT_FORMATS = {"draft3": frozenset({"date-time", "date", "time", "utc-millisec", "regex", "color", "style", "phone",
+                                       "uri", "email", "ip-address", "ipv6", "host-name"}),
+                  "draft4": _DRAFT4_FORMATS, "draft6": _DRAFT6_FORMATS, "draft7": _DRAFT7_FORMATS,
+                  "draft2019-09": _DRAFT7_FORMATS | {"duration", "uuid"},
+                  "draft2020-12": _DRAFT7_FORMATS | {"duration", "uuid"}}
+
+
+def _draft_formats(schema: Any) -> frozenset:
+    """The formats ``schema``'s draft defines (its ``$schema``; without one, or one ``jsonschema``
+    does not know, 2020-12's), with those ``jsonschema``'s format checker for that draft checks
+    (it checks ``regex`` in draft 4, say): any other ``format`` there is an annotation."""
+    import warnings
+
+    import jsonschema
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cls = jsonschema.validators.validator_for(schema if isinstance(schema, dict) else {},
+                                                  default=jsonschema.Draft202012Validator)
+    name = {jsonschema.Draft3Validator: "draft3", jsonschema.Draft4Validator: "draft4",
+            jsonschema.Draft6Validator: "draft6", jsonschema.Draft7Validator: "draft7",
+            jsonschema.Draft201909Validator: "draft2019-09"}.get(cls, "draft2020-12")
+    return _DRAFT_FORMATS[name] | frozenset(cls.FORMAT_CHECKER.checkers)
 
 
 # Date and time formats as patterns, exact to RFC 3339 as `jsonschema`'s format checker reads it
@@ -411,10 +446,16 @@ _HOSTNAME = f"^({_LABEL}\\.)*{_LABEL}\\.?$"
 # escapes & ~ - (the regex syntax llguidance parses reads && ~~ -- in a class as set operations).
 _ATEXT = "[A-Za-z0-9!#$%\\&'*+/=?^_`{|}\\~\\-]+"
 _EMAIL = f"^{_ATEXT}(\\.{_ATEXT})*@({_LABEL}\\.)*{_LABEL}$"
+# `regex`: a regular subset of what Python's re.compile takes (replicas/format_regex.py).
 _FORMAT_PATTERNS = {"date": f"^{_DATE}$", "date-time": f"^{_DATE}[Tt]{_TIME}$", "time": f"^{_TIME}$",
                     "uri-reference": _URI_REFERENCE, "hostname": _HOSTNAME, "host-name": _HOSTNAME,
-                    "email": _EMAIL, "idn-email": _EMAIL}
-_FORMAT_MAX_LENGTH = {"hostname": 253, "host-name": 253}
+                    "email": _EMAIL, "idn-email": _EMAIL, "regex": REGEX_PATTERN,
+                    # the ASCII forms (an RFC 3986 URI is an RFC 3987 IRI; an LDH host name passes
+                    # IDNA): stricter than the formats, sound (hypothesis strings drawn from them pass
+                    # `jsonschema`'s iri / iri-reference / idn-hostname checkers)
+                    "iri": f"^{_URI}(\\?{_QUERY})?(#{_QUERY})?$", "iri-reference": _URI_REFERENCE,
+                    "idn-hostname": _HOSTNAME}
+_FORMAT_MAX_LENGTH = {"hostname": 253, "host-name": 253, "idn-hostname": 253}
 
 
 # ECMA-262's \s (WhiteSpace and LineTerminator), which JSON Schema's patterns mean: llguidance's
@@ -492,14 +533,16 @@ def _llguidance_schema(schema: Any, strict: bool, inline_refs: bool = False) -> 
     from replicas.schema_refs import drop_legacy_ref_siblings, inline_intersected_refs
     schema = copy.deepcopy(schema)
     in_allof = set()
-    legacy = _legacy_draft(schema)
+    legacy, formats = _legacy_draft(schema), _draft_formats(schema)
     if inline_refs and legacy:
         drop_legacy_ref_siblings(schema)
     for node, where in _walk(schema):
         if isinstance(node.get("allOf"), list):
             in_allof.update(id(m) for m in node["allOf"])
-        if isinstance(node.get("format"), str) and node["format"] not in _DEFINED_FORMATS:
-            del node["format"]
+        fmt = node.get("format")
+        if isinstance(fmt, str) and (fmt not in _DEFINED_FORMATS or (
+                fmt not in formats and fmt not in _LLG_FORMATS and not (fmt in _FORMAT_PATTERNS and "pattern" not in node))):
+            del node["format"]   # an annotation that llguidance would not enforce (it would refuse it)
         if node.get("format") in _FORMAT_PATTERNS and "pattern" not in node:
             fmt = node.pop("format")
             node["pattern"] = _FORMAT_PATTERNS[fmt]
@@ -515,11 +558,15 @@ def _llguidance_schema(schema: Any, strict: bool, inline_refs: bool = False) -> 
     from replicas.schema_oneof import rewrite_one_of
     for node in [n for n, _ in _walk(schema) if isinstance(n.get("oneOf"), list)]:
         rewrite_one_of(node, schema)   # exact anyOf where it can be written (else llguidance decides)
+    from replicas.regex_complement import explicit_negated_classes
     for node, _ in _walk(schema):   # last: the rewrites above write patterns too
+        if isinstance(node.get("pattern"), str) and "[" in node["pattern"]:
+            node["pattern"] = explicit_negated_classes(node["pattern"])
         if isinstance(node.get("pattern"), str) and "\\" in node["pattern"]:
             node["pattern"] = ecma_whitespace(node["pattern"])
         if isinstance(node.get("patternProperties"), dict):
-            node["patternProperties"] = {ecma_whitespace(k): v for k, v in node["patternProperties"].items()}
+            node["patternProperties"] = {ecma_whitespace(explicit_negated_classes(k) if "[" in k else k): v
+                                         for k, v in node["patternProperties"].items()}
     if inline_refs:
         inline_intersected_refs(schema)
     return schema

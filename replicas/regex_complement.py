@@ -186,9 +186,22 @@ def widest_language(pattern: str):
     return _pattern(concs)
 
 
+def _covers(ranges, lo: int, hi: int) -> bool:
+    return any(a <= lo and hi <= b for a, b in _merge(ranges))
+
+
 def _class_regex(ranges) -> str:
-    """Code point ranges as one regex atom of explicit ranges."""
+    r"""Code point ranges as one regex atom of explicit ranges.
+
+    llguidance 1.9 matches a JSON string's pattern on its escaped text, and a position whose set
+    holds every control character (U+0000-U+001F) takes any escape there, ``\"`` and ``\\``
+    included (measured: ``^[\x{0}-\x{21}]$`` accepted the string ``"``, ``^[\x{1}-\x{21}]$`` did
+    not), while with only some of them it took no control character at all (``\n`` rejected). So
+    where such a set leaves out ``"`` or ``\``, the control characters are left out of it: sound,
+    and a string with a control character there is rejected."""
     ranges = [(a, min(b, _TOP)) for a, b in _merge(ranges) if a <= _TOP]
+    if _covers(ranges, 0, 0x1F) and not (_covers(ranges, 0x22, 0x22) and _covers(ranges, 0x5C, 0x5C)):
+        ranges = _intersect(ranges, [(0x20, _TOP)])
     if len(ranges) == 1 and ranges[0][0] == ranges[0][1]:
         return _char(ranges[0][0])
     return "[" + "".join(_char(a) if a == b else f"{_char(a)}-{_char(b)}" for a, b in ranges) + "]"
@@ -331,3 +344,102 @@ def complement(pattern: str) -> str | None:
     if len(out) > MAX_CHARS:
         raise Unsupported(f"a complement of {len(out)} characters")
     return out
+
+
+def _negated_class_ranges(text: str) -> list[tuple[int, int]] | None:
+    """The code points a negated class ``[^...]`` (its source ``text``) matches in *every* reading
+    (the complement of the union of the readings of what it lists), or None where it cannot say."""
+    try:
+        parsed = list(_p.parse(text))
+    except (re.error, RecursionError, OverflowError):
+        return None
+    if len(parsed) != 1:
+        return None
+    op, av = parsed[0]
+    if op is _c.NOT_LITERAL:
+        return _invert([(av, av)])
+    if op is not _c.IN or not av or av[0][0] is not _c.NEGATE:
+        return None
+    ranges = []
+    for item_op, item in av[1:]:
+        if item_op is _c.LITERAL:
+            ranges.append((item, item))
+        elif item_op is _c.RANGE:
+            ranges.append(item)
+        elif item_op is _c.CATEGORY and item in _CATEGORY:
+            ranges += _category(item)[0]
+        else:
+            return None
+    return _invert(ranges)
+
+
+_EXPLICIT_ITEM = re.compile(r"\\x\{([0-9A-Fa-f]{1,6})\}|\\([^A-Za-z0-9])|([^\\\[\]\-])")
+
+
+def _explicit_class_ranges(text: str) -> list[tuple[int, int]] | None:
+    r"""The code points of a positive class written with explicit characters only (``\x{..}``,
+    escaped punctuation, plain characters, ranges of those: what the complement's printer
+    writes), or None for any other class."""
+    body, pos, ranges = text[1:-1], 0, []
+
+    def item(at):
+        m = _EXPLICIT_ITEM.match(body, at)
+        if not m:
+            return None, at
+        c = int(m.group(1), 16) if m.group(1) else ord(m.group(2) or m.group(3))
+        return c, m.end()
+    while pos < len(body):
+        lo, pos = item(pos)
+        if lo is None:
+            return None
+        hi = lo
+        if pos < len(body) - 1 and body[pos] == "-":
+            hi, pos = item(pos + 1)
+            if hi is None or hi < lo:
+                return None
+        ranges.append((lo, hi))
+    return _merge(ranges) or None
+
+
+def explicit_negated_classes(pattern: str) -> str:
+    """``pattern`` with each negated class that excludes ``"`` or ``\\`` written as the positive
+    class of the code points it matches in every reading (explicit ranges), and each positive
+    class of explicit ranges that holds every control character but not ``"`` or ``\\`` written
+    without the control characters.
+
+    llguidance 1.9 lets a set holding every control character take any escape
+    (:func:`_class_regex`): ``^[^"]$`` accepted ``"\\""`` and ``^[^\\\\]$`` a backslash
+    (measured). The explicit class leaves the control characters out there. A class this cannot read (``[]...]``,
+    an escape Python's ``re`` does not parse) is left as written."""
+    out, i, n = [], 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if c != "[":
+            out.append(c)
+            i += 1
+            continue
+        j = i + 1
+        negated = j < n and pattern[j] == "^"
+        j += negated
+        if j < n and pattern[j] == "]":   # "[]" / "[^]" differ between dialects: left alone
+            out.append(c)
+            i += 1
+            continue
+        while j < n and pattern[j] != "]":
+            j += 2 if pattern[j] == "\\" else 1
+        if j >= n:   # no end: not a class llguidance would take either
+            out.append(pattern[i:])
+            break
+        text = pattern[i:j + 1]
+        ranges = _negated_class_ranges(text) if negated else _explicit_class_ranges(text)
+        if ranges and not all(any(a <= q <= b for a, b in ranges) for q in (0x22, 0x5C)) and (
+                negated or _covers(ranges, 0, 0x1F)):
+            out.append(_class_regex(ranges))
+        else:
+            out.append(text)
+        i = j + 1
+    return "".join(out)
