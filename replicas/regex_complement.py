@@ -346,6 +346,138 @@ def complement(pattern: str) -> str | None:
     return out
 
 
+@functools.lru_cache(maxsize=1024)
+def _language_fsm(pattern: str):
+    language = widest_language(pattern)
+    if _positions(language) > MAX_POSITIONS:
+        raise Unsupported(f"{_positions(language)} positions with the bounded repeats written out")
+    fsm = language.to_fsm().reduce()
+    if len(fsm.states) > MAX_STATES:
+        raise Unsupported(f"{len(fsm.states)} DFA states")
+    return fsm
+
+
+def length_bounds(pattern: str) -> tuple[int, int | None]:
+    """``(lo, hi)``: the lengths, in characters, of the whole strings ``pattern`` matches in any
+    reading (``hi`` None: unbounded, as for a pattern not anchored at both ends; Python's ``$``
+    allows one final newline more). ``(0, None)`` where the pattern cannot be read."""
+    try:
+        parsed = _p.parse(pattern)
+    except re.error:
+        return 0, None
+    if parsed.state.flags & ~(_c.SRE_FLAG_UNICODE):
+        return 0, None
+    lo, hi = None, 0
+    begin = ((_c.AT, _c.AT_BEGINNING), (_c.AT, _c.AT_BEGINNING_STRING))
+    for alt in _alternatives(parsed.data if hasattr(parsed, "data") else parsed):
+        a, b = _p.SubPattern(parsed.state, list(alt)).getwidth()
+        lo = a if lo is None else min(lo, a)
+        ends = alt[-1] if alt else None
+        if hi is None or not alt or alt[0] not in begin or ends[0] is not _c.AT or ends[1] not in (
+                _c.AT_END, _c.AT_END_STRING) or b >= 1 << 31:
+            hi = None
+        else:
+            hi = max(hi, b + (ends[1] is _c.AT_END))
+    return lo or 0, hi
+
+
+def _alphabet(items) -> list[tuple[int, int]]:
+    """The code points a parsed pattern's matched text may hold (widest reading; a superset)."""
+    out = []
+    for op, av in items:
+        if op is _c.LITERAL:
+            out.append((av, av))
+        elif op in (_c.NOT_LITERAL, _c.ANY):
+            return [(0, _TOP)]
+        elif op is _c.IN:
+            out += _class(av)
+        elif op in (_c.MAX_REPEAT, _c.MIN_REPEAT):
+            out += _alphabet(av[2])
+        elif op is _c.SUBPATTERN:
+            out += _alphabet(av[3])
+        elif op is _c.BRANCH:
+            out += [r for alt in av[1] for r in _alphabet(alt)]
+        elif op is not _c.AT:
+            raise Unsupported(str(op))
+    return _merge(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def _closure_fsm(pattern: str):
+    """A small DFA of a superset of :func:`widest_language`: any string over the characters
+    the pattern may use, with every character allowed where it is not anchored at both ends."""
+    try:
+        parsed = _p.parse(pattern)
+    except re.error as e:
+        raise Unsupported(f"not a regex: {e}") from None
+    if parsed.state.flags & ~(_c.SRE_FLAG_UNICODE):
+        raise Unsupported("global flags")
+    chars = _alphabet(parsed.data if hasattr(parsed, "data") else parsed) + [(10, 10)]
+    if length_bounds(pattern)[1] is None:
+        chars = [(0, _TOP)]   # (a search: whatever surrounds the match)
+    return _mult(_charclass(_merge(chars)), 0, None).to_fsm()
+
+
+def _anchored(pattern: str) -> bool:
+    """Whether every top-level alternative of ``pattern`` starts with ``^`` and ends with ``$``."""
+    try:
+        parsed = _p.parse(pattern)
+    except re.error:
+        return False
+    alts = _alternatives(parsed.data if hasattr(parsed, "data") else parsed)
+    return all(len(a) >= 2 and a[0][0] is _c.AT and a[0][1] in (_c.AT_BEGINNING, _c.AT_BEGINNING_STRING)
+               and a[-1][0] is _c.AT and a[-1][1] in (_c.AT_END, _c.AT_END_STRING) for a in alts)
+
+
+def _cheap(pattern: str) -> bool:
+    """Whether greenery builds ``pattern``'s automaton quickly: anchored at both ends, or searched
+    without a counted repeat (``.*(doi:)?10.[0-9]{4,9}.*`` took 27 s, ``.*[0-9]{0,8}.*`` 1 s)."""
+    if _anchored(pattern):
+        return True
+    def counted(items) -> bool:
+        for op, av in items:
+            if op in (_c.MAX_REPEAT, _c.MIN_REPEAT):
+                if av[1] is not _c.MAXREPEAT and av[1] > 1 or counted(av[2]):
+                    return True
+            elif op is _c.SUBPATTERN and counted(av[3]):
+                return True
+            elif op is _c.BRANCH and any(counted(a) for a in av[1]):
+                return True
+        return False
+    try:
+        parsed = _p.parse(pattern)
+    except re.error:
+        return False
+    return not counted(parsed.data if hasattr(parsed, "data") else parsed)
+
+
+def patterns_disjoint(a: str, b: str) -> bool:
+    """Whether no string is matched by both patterns, in any reading (proved on automata: their
+    :func:`widest_language` s do not intersect; where one is past the bounds, the strings over
+    its characters stand for it). False where that is not so or not proved."""
+    def fsm(p):
+        if not _cheap(p):
+            return _closure_fsm(p)
+        try:
+            return _language_fsm(p)
+        except Unsupported:
+            return _closure_fsm(p)
+    try:
+        return fsm(a).isdisjoint(fsm(b))
+    except Unsupported:
+        return False
+
+
+def pattern_misses(pattern: str, value: str) -> bool:
+    """Whether ``pattern`` finds no match in ``value`` in any reading. False where unknown."""
+    if not _cheap(pattern):
+        return False   # (see patterns_disjoint)
+    try:
+        return not _language_fsm(pattern).accepts(value)
+    except Unsupported:
+        return False
+
+
 def _negated_class_ranges(text: str) -> list[tuple[int, int]] | None:
     """The code points a negated class ``[^...]`` (its source ``text``) matches in *every* reading
     (the complement of the union of the readings of what it lists), or None where it cannot say."""

@@ -40,6 +40,7 @@ _ASSERTIONS = {"type", "enum", "const", "multipleOf", "maximum", "exclusiveMaxim
                "propertyNames", "unevaluatedItems", "unevaluatedProperties", "$ref", "$dynamicRef", "$recursiveRef",
                "disallow", "extends", "divisibleBy"}
 MAX_ALTERNATIVES = 64   # per negation (a product of anyOf negations past it is not written)
+MAX_POSITIONS = 16   # array lengths up to which "an item fails S" is written position by position
 MAX_REWRITE_CHARS = 100_000   # JSON characters of one oneOf's rewritten branches
 
 
@@ -271,8 +272,13 @@ def literal_prefix(pattern: str) -> str:
 def _prefixes_disjoint(ia: "Info", ib: "Info") -> bool:
     """Whether no string satisfies both: each side's patterns fix a start (:func:`literal_prefix`)
     and two of them disagree, or every string value one side allows misses the other's start."""
+    from replicas.regex_complement import pattern_misses, patterns_disjoint
+
+    def patterns(info):
+        return [f["pattern"] for f in info.facets if isinstance(f, dict) and isinstance(f.get("pattern"), str)]
+
     def prefixes(info):
-        return [p for p in (literal_prefix(f.get("pattern")) for f in info.facets if isinstance(f, dict)) if p]
+        return [p for p in map(literal_prefix, patterns(info)) if p]
     pa, pb = prefixes(ia), prefixes(ib)
     if any(not x.startswith(y) and not y.startswith(x) for x in pa for y in pb):
         return True
@@ -280,6 +286,14 @@ def _prefixes_disjoint(ia: "Info", ib: "Info") -> bool:
         if info.values is not None and other:
             strings = [v for v in info.values.values() if isinstance(v, str)]
             if all(any(not v.startswith(p) for p in other) for v in strings):
+                return True
+    # On automata: two patterns no string matches both, or values the other side's patterns miss.
+    if any(patterns_disjoint(x, y) for x in patterns(ia) for y in patterns(ib)):
+        return True
+    for info, other in ((ia, patterns(ib)), (ib, patterns(ia))):
+        if info.values is not None and other:
+            strings = [v for v in info.values.values() if isinstance(v, str)]
+            if all(any(pattern_misses(p, v) for p in other) for v in strings):
                 return True
     return False
 
@@ -332,8 +346,8 @@ def negate(b: list, ctx: list, root: Any, depth: int = 0) -> list:
         return []
     out: list = []
     for f in b:
-        if f is True:
-            continue
+        if f is True or _among(f, ctx):
+            continue   # (a facet the context holds too: every instance of ctx satisfies it)
         if f is False:
             return [True]
         for k, v in f.items():
@@ -341,6 +355,64 @@ def negate(b: list, ctx: list, root: Any, depth: int = 0) -> list:
             if len(out) > MAX_ALTERNATIVES:
                 raise _Inexpressible("too many alternatives")
     return out
+
+
+def _unique(schemas: list) -> list:
+    """``schemas`` without repeats (as JSON), in order."""
+    seen, out = set(), []
+    for x in schemas:
+        key = _canon(x)
+        if key not in seen:
+            seen.add(key)
+            out.append(x)
+    return out
+
+
+def _conjunction(clauses: list[list]) -> list:
+    """Schemas whose ``allOf`` holds exactly where each clause (a list of alternatives) has one
+    alternative that holds, written small: a clause holding all of another's alternatives is
+    dropped (absorption), and an alternative ``a`` shared by several clauses is factored out,
+    ``(a or B) and (a or C) = a or (B and C)``. llguidance intersects an ``allOf`` of ``anyOf`` s
+    by multiplying them out (``schema too large`` past 50,000 nodes): sibling members that
+    differ from ``m`` alike negate to the same alternatives, which this keeps from multiplying."""
+    clauses = [_unique(c) for c in clauses]
+    keys = [frozenset(map(_canon, c)) for c in clauses]
+    keep = [i for i in range(len(clauses))
+            if not any(keys[j] < keys[i] or (keys[j] == keys[i] and j < i) for j in range(len(clauses)))]
+    clauses, keys = [clauses[i] for i in keep], [keys[i] for i in keep]
+    counts: dict = {}
+    for k in keys:
+        for x in k:
+            counts[x] = counts.get(x, 0) + 1
+    shared = max(counts, key=lambda x: (counts[x], x), default=None)
+    if shared is None or counts[shared] < 2:
+        return [c[0] if len(c) == 1 else {"anyOf": c} for c in clauses]
+    group = [c for c, k in zip(clauses, keys) if shared in k]
+    others = [c for c, k in zip(clauses, keys) if shared not in k]
+    a = next(x for x in group[0] if _canon(x) == shared)
+    inner = _conjunction([[x for x in c if _canon(x) != shared] for c in group])
+    return [{"anyOf": [a, inner[0] if len(inner) == 1 else {"allOf": inner}]}, *_conjunction(others)]
+
+
+def _among(f: Any, fs: list) -> bool:
+    """Whether the facet ``f`` is one of ``fs`` (the same object or an equal one)."""
+    return any(g is f for g in fs) or (isinstance(f, dict) and any(
+        isinstance(g, dict) and _canon(g) == _canon(f) for g in fs))
+
+
+def _lengths_within(ci: Info, k: str, v: int) -> bool:
+    """Whether every string of the context meets ``k: v`` (``minLength`` / ``maxLength``) by the
+    lengths its patterns allow (llguidance cannot always tell ``^[a-z]{1,255}$`` and
+    ``minLength: 256`` apart: "Unable to determine if regex is empty")."""
+    if k not in ("minLength", "maxLength"):
+        return False
+    from replicas.regex_complement import length_bounds
+    for f in ci.facets:
+        if isinstance(f, dict) and isinstance(f.get("pattern"), str):
+            lo, hi = length_bounds(f["pattern"])
+            if (k == "minLength" and lo >= v) or (k == "maxLength" and hi is not None and hi <= v):
+                return True
+    return False
 
 
 def _negate_keyword(k: str, v: Any, f: dict, ci: Info, ctx: list, root: Any, depth: int) -> list:
@@ -368,8 +440,11 @@ def _negate_keyword(k: str, v: Any, f: dict, ci: Info, ctx: list, root: Any, dep
             if ci.forbids(p):
                 continue
             try:
-                sub = ci.prop(p)
-                negs = negate(facets(s, root), sub, root, depth + 1)
+                sub, own = ci.prop(p), facets(s, root)
+                if disjoint(sub, own, root):
+                    out.append({"type": "object", "required": [p]})   # any value it may have fails
+                    continue
+                negs = negate(own, sub, root, depth + 1)
             except UnresolvedRef:
                 raise _Inexpressible("an unresolved $ref") from None
             out += [{"type": "object", "required": [p], "properties": {p: n}} for n in negs]
@@ -392,12 +467,20 @@ def _negate_keyword(k: str, v: Any, f: dict, ci: Info, ctx: list, root: Any, dep
         return []
     if k == "uniqueItems" and v is False:
         return []
+    if k == "additionalItems" and not isinstance(f.get("items"), list):
+        return []   # (applies only beside a tuple of items; ignored otherwise, and in 2020-12)
     if k == "not":
         return [v]   # an instance fails `not: S` exactly when it satisfies S
     if k == "pattern":
         if not isinstance(v, str):
             raise _Inexpressible(k)
-        complement = _complement_pattern(v) if "string" in ci.kinds else None
+        if "string" not in ci.kinds:
+            return []
+        try:
+            return [{"type": "string", "pattern": c} for c in _counted_class_complement(v)]
+        except _Inexpressible:
+            pass
+        complement = _complement_pattern(v)
         return [{"type": "string", "pattern": complement}] if complement is not None else []
     if k == "items" and (isinstance(v, (dict, bool)) and not isinstance(f.get("prefixItems"), list)):
         # An array fails `items: S` when one of its items fails S: written only where every item
@@ -407,11 +490,25 @@ def _negate_keyword(k: str, v: Any, f: dict, ci: Info, ctx: list, root: Any, dep
         own = [g["items"] for g in ci.facets if isinstance(g, dict) and isinstance(g.get("items"), (dict, bool))
                and not isinstance(g.get("prefixItems"), list)]
         try:
-            if own and disjoint([x for g in own for x in facets(g, root)], facets(v, root), root):
+            own_facets = [x for g in own for x in facets(g, root)]
+            if own and disjoint(own_facets, facets(v, root), root):
                 return [{"type": "array", "minItems": 1}]
+            # An item failing S, position by position, where the context bounds the length
+            # and does not tell positions apart. The facet's other keywords count as context:
+            # not (X and items) = not X, or (X and not items), and not X is written beside.
+            cx = _info(ctx + [{x: y for x, y in f.items() if x != "items"}], root)
+            longest = _bound(cx, "maxItems", False) if cx is not None else None
+            if longest is None or longest > MAX_POSITIONS or any(
+                    isinstance(g, dict) and ("prefixItems" in g or isinstance(g.get("items"), list))
+                    for g in cx.facets):
+                raise _Inexpressible("items")
+            negs = negate(facets(v, root), own_facets, root, depth + 1)
         except UnresolvedRef:
-            pass
-        raise _Inexpressible("items")
+            raise _Inexpressible("items") from None
+        if not negs:
+            return []
+        item = negs[0] if len(negs) == 1 else {"anyOf": negs}
+        return [{"type": "array", "minItems": i + 1, "prefixItems": [True] * i + [item]} for i in range(longest)]
     if k in ("const", "enum"):
         vals = [v] if k == "const" else v
         if not isinstance(vals, list):
@@ -444,7 +541,7 @@ def _negate_keyword(k: str, v: Any, f: dict, ci: Info, ctx: list, root: Any, dep
         kind, other, step = bounds[k]
         if not isinstance(v, int) or isinstance(v, bool):
             raise _Inexpressible(k)
-        if kind not in ci.kinds or v + step < 0:
+        if kind not in ci.kinds or v + step < 0 or _lengths_within(ci, k, v):
             return []
         return [{"type": kind, other: v + step}]
     numeric = {"minimum": "exclusiveMaximum", "maximum": "exclusiveMinimum",
@@ -642,6 +739,40 @@ def _complement_pattern(pattern: str) -> str | None:
         raise _Inexpressible("pattern") from None
 
 
+def _counted_class_complement(pattern: str) -> list[str]:
+    """Anchored regexes whose union matches exactly the strings ``^C{m,n}$`` (``C`` one
+    character atom without a newline; ``{m}``, ``{m,}`` too) does not match, as JSON Schema
+    reads it (Python's ``$`` also matches before a final newline, so the widest reading is
+    ``C{m,n}\\n?``): a character outside ``C`` (other than a newline), a newline before the
+    end, or a run of ``C`` of the wrong length. The general complement on automata writes a
+    counter of ``n`` states out, past its bounds for ``[0-9a-f]{24}``. Raises :class:`_Inexpressible`."""
+    import re
+    m = re.fullmatch(r"\^(.+)\{(\d+)(,(\d*))?\}\$", pattern, re.S)
+    if m is None or not _one_char_atom(m.group(1)):
+        raise _Inexpressible("pattern")
+    atom, lo = m.group(1), int(m.group(2))
+    hi = lo if m.group(3) is None else int(m.group(4)) if m.group(4) else None
+    if hi is not None and hi < lo:
+        raise _Inexpressible("pattern")
+    try:
+        widest = _union_ranges(_char_ranges(atom, 0), _char_ranges(atom, re.ASCII))
+    except re.error:
+        raise _Inexpressible("pattern") from None
+    if any(a <= 10 <= b for a, b in widest):
+        raise _Inexpressible("pattern")
+    cls, outside = _class_of(widest), _complement_ranges(_union_ranges(widest, [(10, 10)]))
+    if len(cls) > MAX_CLASS or len(_class_of(outside)) > MAX_CLASS:
+        raise _Inexpressible("pattern")
+    out = ["^(?s:.)*\\n(?s:.)+$"]
+    if outside:
+        out.append(f"^(?s:.)*{_class_of(outside)}(?s:.)*$")
+    if lo > 0:
+        out.append(f"^{cls}{{0,{lo - 1}}}\\n?$")
+    if hi is not None:
+        out.append(f"^{cls}{{{hi + 1},}}\\n?$")
+    return out
+
+
 def _complement_shape(pattern: str) -> str | None:
     """An anchored regex (None: no string) matching only strings that ``pattern`` (searched, as JSON Schema reads
     it) does not match, for two shapes: one character atom ``C`` (a class, an escape, ``.``;
@@ -732,15 +863,16 @@ def rewrite_one_of(node: dict, root: Any) -> bool:
                 apart = disjoint_kinds(ctx, base + fs[j], root) & kinds
                 if apart >= kinds:
                     continue
-                alts = _negate_apart(fs[j], ctx, root, apart, kinds)
+                alts = _unique(_negate_apart(fs[j], ctx, root, apart, kinds))
                 if not alts:
                     negs = None   # m implies members[j]: no instance matches m alone
                     break
-                negs.append(alts[0] if len(alts) == 1 else {"anyOf": alts})
+                negs.append(alts)
         except _Inexpressible:
             return False
         if negs is None:
             continue
+        negs = _conjunction(negs)
         branches.append({"allOf": [m, *negs]} if negs else m)
     if len(json.dumps(branches)) > MAX_REWRITE_CHARS:
         return False   # negations multiplied past what llguidance compiles in its bounds

@@ -59,3 +59,39 @@ def test_a_pattern_matching_everything_has_no_complement():
 def test_unsupported_constructs_and_bounds_raise(pattern):
     with pytest.raises(Unsupported):
         complement(pattern)
+
+
+PAIRS = [(r"^u?int(8|16)?(\[[0-9]*\])*$", r"^u?fixed(8x8|16x8)?$"), (r"^a", r"b$"), (r"^[a-c]+$", r"^\d+$"),
+         (r"^x{2}$", r"^x{3}$"), (r"^\w+$", r"^[-.]+$"), (r"^ab", r"^a"),
+         (r"^[0-9a-zA-Z_-]{1,255}$", r".*\{\{.+}}.*"), (r"^[a-z]{1,255}$", r"^.{3}$")]
+
+
+@pytest.mark.parametrize("a,b", PAIRS)
+@settings(max_examples=150, deadline=None)
+@given(text=st.text(alphabet=ALPHABET, max_size=12))
+def test_patterns_proved_disjoint_share_no_string(a, b, text):
+    from replicas.regex_complement import patterns_disjoint
+    if patterns_disjoint(a, b):
+        assert not any(re.search(a, text, f) for f in (0, re.ASCII)) or not any(
+            re.search(b, text, f) for f in (0, re.ASCII)), (a, b, text)
+
+
+def test_disjointness_is_proved_where_it_holds_and_only_there():
+    """(The last two pairs are past the DFA bound: the first pattern's characters stand for it.)"""
+    from replicas.regex_complement import pattern_misses, patterns_disjoint
+    assert [patterns_disjoint(a, b) for a, b in PAIRS] == [True, False, True, True, True, False, True, False]
+    assert pattern_misses("^a$", "b") and not pattern_misses("^a$", "a\n") and not pattern_misses("(?=a)", "b")
+    assert pattern_misses("a", "b") and not pattern_misses("[0-9]{2}", "x")   # (a counted search: not tried)
+
+
+COUNTED = [r"^[0-9a-f]{4}$", r"^[a-c]{2,3}$", r"^x{2,}$", r"^\d{1}$", r"^.{0,2}$"]
+
+
+@pytest.mark.parametrize("pattern", COUNTED)
+@settings(max_examples=150, deadline=None)
+@given(text=st.text(alphabet=ALPHABET, max_size=7))
+def test_counted_class_complement_is_exactly_what_no_reading_matches(pattern, text):
+    from replicas.schema_oneof import _counted_class_complement
+    inside = any(re.fullmatch(_python(c), text) for c in _counted_class_complement(pattern))
+    matched = any(re.search(pattern, text, f) for f in (0, re.ASCII))
+    assert inside != matched, (pattern, text)
