@@ -745,14 +745,16 @@ def _llguidance_grammar(spec: GrammarSpec, special: frozenset = frozenset()) -> 
 
 
 def _llguidance_json_grammar(spec: GrammarSpec, inline_refs: bool = False) -> tuple[str, frozenset]:
-    """(llguidance grammar text, the paths of the unique arrays of free strings left to the
-    matcher: :func:`replicas.unique_items.remove_unique_items`) for a json_schema spec;
+    """(llguidance grammar text, the paths of the unique arrays left to the
+    matcher: :func:`replicas.decode_checks.remove_checked`) for a json_schema spec;
     ``inline_refs``: see :func:`_llguidance_schema`."""
     import llguidance as llg
 
-    from replicas.unique_items import remove_unique_items
+    from replicas.decode_checks import remove_checked
     schema = _llguidance_schema(spec.value, spec.strict, inline_refs)
-    paths = remove_unique_items(schema) or frozenset() if '"uniqueItems"' in json.dumps(schema) else frozenset()
+    text = json.dumps(schema)
+    checked = '"uniqueItems"' in text or '"minProperties"' in text or '"maxProperties"' in text
+    paths = (remove_checked(schema) or frozenset()) if checked else frozenset()
     return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_LLG_JSON), paths
 
 
@@ -898,7 +900,7 @@ class LLGuidanceGrammar:
     grammar: str
     template: Any
     tokenizer: Any  # the llguidance.LLTokenizer
-    unique_paths: frozenset = frozenset()   # arrays of free strings checked while decoding (replicas/unique_items.py)
+    checked_paths: frozenset = frozenset()   # keywords checked on the text while decoding (replicas/decode_checks.py)
 
     @property
     def memory_size_bytes(self) -> int:
@@ -980,7 +982,7 @@ def _llguidance_tokenizer(tokenizer, vocab_size: int, stop_token_ids: list[int])
 
 
 def _llguidance_compile(tok, special: frozenset, spec: GrammarSpec, grammar: str | None = None,
-                        unique_paths: frozenset = frozenset()) -> LLGuidanceGrammar:
+                        checked_paths: frozenset = frozenset()) -> LLGuidanceGrammar:
     """Build and check an llguidance matcher for ``spec`` (or for ``grammar``, its JSON form,
     already built), computing its first mask so that lazy errors surface here.
 
@@ -990,10 +992,10 @@ def _llguidance_compile(tok, special: frozenset, spec: GrammarSpec, grammar: str
     import llguidance as llg
 
     def build(inline_refs: bool):
-        nonlocal grammar, unique_paths
+        nonlocal grammar, checked_paths
         try:
             if grammar is None and spec.kind == "json_schema":
-                grammar, unique_paths = _llguidance_json_grammar(spec, inline_refs)
+                grammar, checked_paths = _llguidance_json_grammar(spec, inline_refs)
             grammar = grammar or _llguidance_grammar(spec, special)
         except ValueError as e:
             return None, str(e)
@@ -1009,7 +1011,7 @@ def _llguidance_compile(tok, special: frozenset, spec: GrammarSpec, grammar: str
         m, error = build(True)
     if m is None:
         raise GrammarCompileError(_llguidance_refusal(spec, error))
-    return LLGuidanceGrammar(grammar, m, tok, unique_paths)
+    return LLGuidanceGrammar(grammar, m, tok, checked_paths)
 
 
 _CIRCULAR = "circular references with sibling keys"   # llguidance's words (replicas/schema_refs.py)
@@ -1032,7 +1034,7 @@ def _compile_worker(info_json: str, llg_args: tuple, conn) -> None:
             else:
                 llg_tok = llg_tok or _llguidance_tokenizer(*llg_args)
                 compiled = _llguidance_compile(*llg_tok, spec)
-                conn.send(("ok", (compiled.grammar, compiled.unique_paths)))
+                conn.send(("ok", (compiled.grammar, compiled.checked_paths)))
         except GrammarCompileError as e:
             conn.send(("refused", str(e)))
         except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own types
@@ -1161,7 +1163,7 @@ class GrammarCompiler:
             # Rebuilt here from the checked text (milliseconds for most grammars; the compiler
             # process bounded the time); counted by the text's size.
             text, paths = payload
-            return _llguidance_compile(*self.llg, spec, grammar=text, unique_paths=paths), len(text)
+            return _llguidance_compile(*self.llg, spec, grammar=text, checked_paths=paths), len(text)
         compiled = self.xgr.CompiledGrammar.deserialize_json(payload, self.info)
         size = len(payload)
         del payload
@@ -1230,21 +1232,22 @@ class GrammarCompiler:
     def matcher_of(self, compiled) -> Matcher:
         """A fresh :class:`Matcher` for a grammar :meth:`compile` returned."""
         if isinstance(compiled, LLGuidanceGrammar):
-            if compiled.unique_paths:
-                from replicas.unique_items import UniqueStringsMatcher
-                return UniqueStringsMatcher(LLGuidanceMatcher(compiled), compiled.unique_paths,
+            if compiled.checked_paths:
+                from replicas.decode_checks import CheckedMatcher
+                return CheckedMatcher(LLGuidanceMatcher(compiled), compiled.checked_paths,
                                             *self._token_bytes(compiled.tokenizer), compiled.tokenizer.eos_tokens)
             return LLGuidanceMatcher(compiled)
         return XGrammarMatcher(compiled)
 
     def _token_bytes(self, tok) -> tuple:
-        """(each token's bytes, ids of the tokens holding a quote, ids holding a quote and a
-        bracket) for llguidance tokenizer ``tok``: built once."""
+        """(each token's bytes, ids of the tokens holding a quote, ids with a ``,`` ``]`` ``}``
+        ``[`` or ``{`` after a quote) for llguidance tokenizer ``tok``: built once."""
         if getattr(self, "_bytes_of", None) is None:
             data = [tok.decode_bytes([t]) for t in range(tok.vocab_size)]
             quotes = [t for t, b in enumerate(data) if b'"' in b]
             self._bytes_of = (data, torch.tensor(quotes, dtype=torch.long),
-                              torch.tensor([t for t in quotes if b"[" in data[t]], dtype=torch.long))
+                              torch.tensor([t for t in quotes if any(c in b',]}[{' for c in data[t][data[t].index(b'"'):])],
+                                           dtype=torch.long))
         return self._bytes_of
 
     def backend_of(self, spec: GrammarSpec) -> str:

@@ -575,3 +575,55 @@ def explicit_negated_classes(pattern: str) -> str:
             out.append(text)
         i = j + 1
     return "".join(out)
+
+
+def extendable(pattern: str) -> bool:
+    """Whether every string ``pattern`` finds a match in can be continued into a longer one it
+    also finds a match in, in every reading: no end anchor, boundary or look-around anywhere
+    (appending keeps the match), or each top-level alternative ends ``X$`` where ``X`` ends with
+    an unbounded repeat of something non-empty (``^[a-z][a-z0-9]*$``: append one more).
+    False where unsure (a pattern Python's ``re`` does not parse, global flags). The explicit
+    ``\\x{HHHH}`` code points this module prints for llguidance are read as Python's ``\\U``."""
+    pattern = re.sub(r"(?<!\\)\\x\{([0-9a-fA-F]{1,6})\}", lambda m: "\\U%08x" % int(m.group(1), 16), pattern)
+    try:
+        parsed = _p.parse(pattern)
+    except re.error:
+        return False
+    if parsed.state.flags & ~(_c.SRE_FLAG_UNICODE):
+        return False
+    ends = (_c.AT_END, _c.AT_END_STRING, _c.AT_BOUNDARY, _c.AT_NON_BOUNDARY)
+
+    def pinned(items) -> bool:   # an end anchor, boundary or assertion somewhere
+        for op, av in items:
+            if op is _c.AT and av in ends or op in (_c.ASSERT, _c.ASSERT_NOT, _c.GROUPREF, _c.GROUPREF_EXISTS):
+                return True
+            if op in (_c.MAX_REPEAT, _c.MIN_REPEAT, _c.POSSESSIVE_REPEAT) and pinned(av[2]):
+                return True
+            if op in (_c.SUBPATTERN, _c.ATOMIC_GROUP) and pinned(av[-1]):
+                return True
+            if op is _c.BRANCH and any(pinned(a) for a in av[1]):
+                return True
+        return False
+
+    def open_end(items) -> bool:   # ends with an unbounded repeat of something non-empty
+        if not items:
+            return False
+        op, av = items[-1]
+        if op in (_c.MAX_REPEAT, _c.MIN_REPEAT):
+            return av[1] is _c.MAXREPEAT and av[2].getwidth()[1] > 0
+        if op is _c.SUBPATTERN:
+            return open_end(list(av[3]))
+        if op is _c.BRANCH:
+            return all(open_end(list(a)) for a in av[1])
+        return False
+
+    data = parsed.data if hasattr(parsed, "data") else parsed
+    if not pinned(data):
+        return True
+    for alt in _alternatives(data):
+        if alt and alt[-1][0] is _c.AT and alt[-1][1] in (_c.AT_END, _c.AT_END_STRING):
+            if pinned(alt[:-1]) or not open_end(alt[:-1]):
+                return False
+        elif pinned(alt):
+            return False
+    return True

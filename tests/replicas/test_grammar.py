@@ -293,10 +293,11 @@ def test_schemas_xgrammar_serves_incompletely_go_to_llguidance(engine, schema, n
 
 def test_schema_moved_for_completeness_falls_back_to_xgrammar_where_llguidance_refuses(engine):
     """A length bound sends the schema to llguidance, which refuses maxProperties beside optional
-    keys; xgrammar enforces all of it, so it serves (rejecting the escapes it always did)."""
+    keys (and the text check leaves it, a name being required); xgrammar enforces all of it, so
+    it serves (rejecting the escapes it always did)."""
     from replicas.grammar import GrammarSpec
     schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}, "b": {"type": "integer"}},
-              "maxProperties": 1}
+              "required": ["a"], "maxProperties": 1}
     spec = GrammarSpec("json_schema", schema)
     assert engine.grammar.backend_of(spec) == "xgrammar"
     assert _accepts(engine.grammar.matcher(spec), engine.tokenizer, '{"a": "ab"}')
@@ -305,7 +306,7 @@ def test_schema_moved_for_completeness_falls_back_to_xgrammar_where_llguidance_r
 
 
 @pytest.mark.parametrize("schema,needle", [
-    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems at $"),
+    ({"type": "array", "items": {"type": "integer", "maximum": 9}, "uniqueItems": True}, "uniqueItems at $"),
     ({"type": "array", "contains": {"const": 3}}, "contains at $"),
     # (not const 0, if required then required: now rewritten exactly, tests/replicas/test_grammar_rewrites.py)
     ({"type": "integer", "not": {"multipleOf": 2}}, "not at $"),

@@ -95,3 +95,27 @@ def test_counted_class_complement_is_exactly_what_no_reading_matches(pattern, te
     inside = any(re.fullmatch(_python(c), text) for c in _counted_class_complement(pattern))
     matched = any(re.search(pattern, text, f) for f in (0, re.ASCII))
     assert inside != matched, (pattern, text)
+
+
+@pytest.mark.parametrize("pattern,expected", [
+    ("^[a-z]+$", True), ("abc", True), ("^https?://", True), ("^(a+|b*)$", True), ("^x{2,}$", True),
+    ("^(ab)*$", True), ("^v[0-9]+(\\.[0-9]+)*$", True),
+    ("^[a-z]$", False), ("^(a+|b)$", False), ("^[0-9]{3}$", False), ("^a*$|^b$", False), ("^a(?=b)", False),
+    ("(", False),
+])
+def test_extendable(pattern, expected):
+    """Whether every string a pattern matches goes on into a longer one it matches (what lets a
+    unique array of such strings refuse a repeat without a dead end)."""
+    from replicas.regex_complement import extendable
+    assert extendable(pattern) is expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_extendable_strings_go_on(data):
+    """On strings drawn from each pattern :func:`extendable` accepts: something appended keeps a
+    match (the grammar writes no final newline, which Python's ``$`` also allows)."""
+    pattern = data.draw(st.sampled_from(["^[a-z]+$", "abc", "^https?://", "^(a+|b*)$", "^x{2,}$", "^(ab)*$",
+                                         "^v[0-9]+(\\.[0-9]+)*$", "^[A-Z][a-zA-Z0-9_]*$"]))
+    s = data.draw(st.from_regex(pattern, fullmatch=True).filter(lambda x: not x.endswith("\n")))
+    assert any(re.search(pattern, s + e) for e in [*"abxzAZ09_", "ab", "/"]), (pattern, s)
