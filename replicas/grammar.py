@@ -560,16 +560,76 @@ def _llguidance_schema(schema: Any, strict: bool, inline_refs: bool = False) -> 
         rewrite_one_of(node, schema)   # exact anyOf where it can be written (else llguidance decides)
     from replicas.regex_complement import explicit_negated_classes
     for node, _ in _walk(schema):   # last: the rewrites above write patterns too
+        if isinstance(node.get("pattern"), str):
+            node["pattern"] = _llguidance_regex(node["pattern"])
         if isinstance(node.get("pattern"), str) and "[" in node["pattern"]:
             node["pattern"] = explicit_negated_classes(node["pattern"])
         if isinstance(node.get("pattern"), str) and "\\" in node["pattern"]:
             node["pattern"] = ecma_whitespace(node["pattern"])
         if isinstance(node.get("patternProperties"), dict):
-            node["patternProperties"] = {ecma_whitespace(explicit_negated_classes(k) if "[" in k else k): v
-                                         for k, v in node["patternProperties"].items()}
+            renamed = {ecma_whitespace(explicit_negated_classes(k) if "[" in k else k): v
+                       for k, v in ((_llguidance_regex(k), v) for k, v in node["patternProperties"].items())}
+            if len(renamed) == len(node["patternProperties"]):   # (two patterns written alike: left)
+                node["patternProperties"] = renamed
     if inline_refs:
         inline_intersected_refs(schema)
     return schema
+
+
+def _class_literals(pattern: str) -> str:
+    """``pattern`` with the characters a ``[...]`` class holds literally in Python and ECMA-262
+    but Rust's regex syntax (llguidance's) reads as class syntax escaped: a ``[`` inside a class
+    (Rust: a nested class; ``[[a-z]*]`` is another language there), ``&&`` and ``~~`` (Rust:
+    intersection, symmetric difference)."""
+    out, i, n, in_class = [], 0, len(pattern), False
+    while i < n:
+        c = pattern[i]
+        if c == "\\" and i + 1 < n:
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if not in_class:
+            if c == "[":
+                in_class = True
+                out.append(c)
+                i += 1
+                if i < n and pattern[i] == "^":
+                    out.append("^")
+                    i += 1
+                if i < n and pattern[i] == "]":   # a first "]" is a literal
+                    out.append("\\]")
+                    i += 1
+                continue
+            out.append(c)
+        elif c == "]":
+            in_class = False
+            out.append(c)
+        elif c == "[" or c in "&~" and pattern[i + 1:i + 2] == c:
+            out.append("\\" + c)
+        else:
+            out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def _llguidance_regex(pattern: str) -> str:
+    """``pattern`` as llguidance's regex engine reads it right: ``\\<`` / ``\\>`` (literal
+    ``<`` / ``>`` in Python and ECMA-262, word boundaries in Rust's) written plain; look-aheads
+    after ``^`` and anchors inside the pattern (which it refuses) written out on automata
+    (:func:`replicas.regex_complement.without_lookaheads` / ``without_inner_anchors``) where
+    they can be; else unchanged (and llguidance refuses what it cannot read)."""
+    import re as _re
+
+    from replicas.regex_complement import Unsupported, inner_anchors, lookaheads, without_inner_anchors, without_lookaheads
+    pattern = _class_literals(_re.sub(r"(?<!\\)((?:\\\\)*)\\([<>])", r"\1\2", pattern))
+    try:
+        if lookaheads(pattern):
+            return without_lookaheads(pattern)
+        if inner_anchors(pattern):   # ("^(a|$)": llguidance reads an anchor inside as a look-around)
+            return without_inner_anchors(pattern)
+    except Unsupported:
+        pass
+    return pattern
 
 
 _REWRITTEN = ("not", "if", "then", "else", "uniqueItems", "propertyNames")

@@ -84,8 +84,9 @@ def _category(cat) -> tuple[list, list]:
     return wide, narrow
 
 
-def _class(items) -> list[tuple[int, int]]:
-    """The widest code point ranges of a ``[...]`` class's parsed items."""
+def _class(items, narrow: bool = False) -> list[tuple[int, int]]:
+    """The widest (``narrow``: narrowest) code point ranges of a ``[...]`` class's parsed items
+    over the readings :func:`_category` takes."""
     negate = bool(items) and items[0][0] is _c.NEGATE
     ranges = []
     for op, av in items[1:] if negate else items:
@@ -94,7 +95,7 @@ def _class(items) -> list[tuple[int, int]]:
         elif op is _c.RANGE:
             ranges.append(av)
         elif op is _c.CATEGORY and av in _CATEGORY:
-            ranges += _category(av)[1 if negate else 0]
+            ranges += _category(av)[1 if negate != narrow else 0]
         else:
             raise Unsupported(f"class item {op}")
     return _invert(ranges) if negate else _merge(ranges)
@@ -122,28 +123,43 @@ def _conc(mults):
     return Conc(*mults)
 
 
-def _seq(items, dotall: bool):
-    """A parsed sequence (no anchors inside) as a greenery Conc."""
+_BEGIN, _END = 0x10FFFE, 0x10FFFF   # marker symbols for anchors inside a pattern (without_inner_anchors)
+_ANCHORS = {_c.AT_BEGINNING: _BEGIN, _c.AT_BEGINNING_STRING: _BEGIN, _c.AT_END: _END, _c.AT_END_STRING: _END}
+
+
+def _seq(items, dotall: bool, markers: bool = False, narrow: bool = False):
+    """A parsed sequence (no anchors inside) as a greenery Conc, each class in its widest
+    reading; with ``narrow``, in its narrowest (what every dialect matches); with ``markers``
+    (narrow too), each ``^`` / ``$`` a marker symbol and every class without the markers' code
+    points."""
+    top = _BEGIN - 1 if markers else _TOP
+    narrow = narrow or markers
+
+    def cls(ranges):
+        return _charclass(_intersect(_merge(ranges), [(0, top)]) if markers else ranges)
     mults = []
     for op, av in items:
         if op is _c.LITERAL:
-            mults.append(_mult(_charclass([(av, av)]), 1, 1))
+            mults.append(_mult(cls([(av, av)]), 1, 1))
         elif op is _c.NOT_LITERAL:
-            mults.append(_mult(_charclass(_invert([(av, av)])), 1, 1))
+            mults.append(_mult(cls(_invert([(av, av)])), 1, 1))
         elif op is _c.ANY:   # Python's "." is all but \n, ECMA-262's also excludes \r, U+2028/9
-            mults.append(_mult(_charclass([(0, _TOP)] if dotall else _invert([(10, 10)])), 1, 1))
+            dot = _invert([(10, 10), (13, 13), (0x2028, 0x2029)] if narrow else [(10, 10)])
+            mults.append(_mult(cls([(0, _TOP)] if dotall else dot), 1, 1))
         elif op is _c.IN:
-            mults.append(_mult(_charclass(_class(av)), 1, 1))
+            mults.append(_mult(cls(_class(av, narrow=narrow)), 1, 1))
         elif op in (_c.MAX_REPEAT, _c.MIN_REPEAT):
             lo, hi, sub = av
-            mults.append(_mult(_pattern([_seq(list(sub), dotall)]), lo, None if hi == _c.MAXREPEAT else hi))
+            mults.append(_mult(_pattern([_seq(list(sub), dotall, markers, narrow)]), lo, None if hi == _c.MAXREPEAT else hi))
         elif op is _c.SUBPATTERN:
             _, add, remove, sub = av
             if remove or add & ~(_c.SRE_FLAG_DOTALL | _c.SRE_FLAG_UNICODE):
                 raise Unsupported("inline flags")
-            mults.append(_mult(_pattern([_seq(list(sub), dotall or bool(add & _c.SRE_FLAG_DOTALL))]), 1, 1))
+            mults.append(_mult(_pattern([_seq(list(sub), dotall or bool(add & _c.SRE_FLAG_DOTALL), markers, narrow)]), 1, 1))
         elif op is _c.BRANCH:
-            mults.append(_mult(_pattern([_seq(list(alt), dotall) for alt in av[1]]), 1, 1))
+            mults.append(_mult(_pattern([_seq(list(alt), dotall, markers, narrow) for alt in av[1]]), 1, 1))
+        elif markers and op is _c.AT and av in _ANCHORS:
+            mults.append(_mult(_charclass([(_ANCHORS[av], _ANCHORS[av])]), 1, 1))
         else:   # AT (anchors, \b), ASSERT / ASSERT_NOT, GROUPREF, ATOMIC_GROUP, POSSESSIVE_REPEAT, ...
             raise Unsupported(str(op))
     return _conc(mults)
@@ -627,3 +643,215 @@ def extendable(pattern: str) -> bool:
         elif pinned(alt):
             return False
     return True
+
+
+def inner_anchors(pattern: str) -> bool:
+    """Whether ``pattern`` has a ``^`` or ``$`` other than at the start / end of a top-level
+    alternative (``(a|$)``, ``^$x``), which llguidance refuses ("lookarounds not supported")."""
+    try:
+        parsed = _p.parse(pattern)
+    except re.error:
+        return False
+
+    def anchors(items) -> bool:
+        for op, av in items:
+            if op is _c.AT and av in _ANCHORS:
+                return True
+            if op in (_c.MAX_REPEAT, _c.MIN_REPEAT, _c.POSSESSIVE_REPEAT) and anchors(av[2]):
+                return True
+            if op in (_c.SUBPATTERN, _c.ATOMIC_GROUP) and anchors(av[-1]):
+                return True
+            if op is _c.BRANCH and any(anchors(a) for a in av[1]):
+                return True
+        return False
+    for alt in _alternatives(parsed.data if hasattr(parsed, "data") else parsed):
+        start = 1 if alt and alt[0][0] is _c.AT and alt[0][1] in (_c.AT_BEGINNING, _c.AT_BEGINNING_STRING) else 0
+        end = len(alt) - 1 if len(alt) > start and alt[-1][0] is _c.AT and alt[-1][1] in (_c.AT_END, _c.AT_END_STRING) else len(alt)
+        if anchors(alt[start:end]):
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=256)
+def without_inner_anchors(pattern: str) -> str:
+    """An anchored regex (``^...$``, no other anchor) matching exactly the strings in which
+    ``pattern``, whose ``^`` / ``$`` may sit anywhere (:func:`inner_anchors`), finds a match as
+    ECMA-262 reads anchors: ``^`` at the start only, ``$`` at the very end only (Python's ``$``
+    also matches before a final newline: such a string is not taken; sound). Classes and ``.``
+    take their narrowest reading (what Python's Unicode and ASCII readings and ECMA-262's all
+    match), so every string taken is one each dialect matches.
+
+    On automata: each anchor becomes a marker symbol (``B`` for ``^``, ``E`` for ``$``), the
+    pattern is searched (``.*P.*`` over real characters) and compiled to a DFA; a string ``w``
+    matches where ``B^j w E^k`` is accepted for some ``j``, ``k`` (markers consumed only at the
+    very start and end), which a subset construction over the DFA's states writes as a DFA of
+    real characters, printed back as :func:`complement` does. Raises :class:`Unsupported` (past
+    the bounds, or where no string matches)."""
+    try:
+        parsed = _p.parse(pattern)
+    except re.error as e:
+        raise Unsupported(f"not a regex: {e}") from None
+    if parsed.state.flags & ~(_c.SRE_FLAG_UNICODE):
+        raise Unsupported("global flags")
+    anything = _mult(_charclass([(0, _BEGIN - 1)]), 0, None)
+    body = _seq(list(parsed.data if hasattr(parsed, "data") else parsed), False, markers=True)
+    language = _pattern([_conc([anything] + list(body.mults) + [anything])])
+    if _positions(language) > MAX_POSITIONS:
+        raise Unsupported(f"{_positions(language)} positions with the bounded repeats written out")
+    fsm = language.to_fsm().reduce()
+    if len(fsm.states) > MAX_STATES:
+        raise Unsupported(f"{len(fsm.states)} DFA states")
+    real: dict = {}
+    marker: dict = {}
+    for i in fsm.states:
+        for cls, j in fsm.map.get(i, {}).items():
+            rs = _invert(cls.ord_ranges) if cls.negated else [(a, min(b, _TOP)) for a, b in cls.ord_ranges if a <= _TOP]
+            for a, b in rs:
+                for m in (_BEGIN, _END):
+                    if a <= m <= b:
+                        marker[(i, m)] = j
+                if a < _BEGIN:
+                    real.setdefault(i, []).append((a, min(b, _BEGIN - 1), j))
+    start = {fsm.initial}
+    while True:   # markers for "^" read at the start
+        more = start | {marker[(i, _BEGIN)] for i in start if (i, _BEGIN) in marker}
+        if more == start:
+            break
+        start = more
+    ends = set(fsm.finals)
+    while True:   # states from which markers for "$" reach a final state
+        more = ends | {i for i in fsm.states if marker.get((i, _END)) in ends}
+        if more == ends:
+            break
+        ends = more
+    initial = frozenset(start)
+    edges: dict = {}
+    todo = [initial]
+    while todo:
+        subset = todo.pop()
+        if subset in edges:
+            continue
+        if len(edges) > MAX_STATES:
+            raise Unsupported("more than MAX_STATES subsets")
+        spans = [e for i in subset for e in real.get(i, [])]
+        cuts = sorted({a for a, _, _ in spans} | {b + 1 for _, b, _ in spans})
+        out: dict = {}
+        for lo, hi in zip(cuts, cuts[1:]):
+            target = frozenset(j for a, b, j in spans if a <= lo and hi - 1 <= b)
+            if target:
+                out.setdefault(target, []).append((lo, hi - 1))
+                todo.append(target)
+        edges[subset] = {t: _merge(rs) for t, rs in out.items()}
+    finals = {subset for subset in edges if subset & ends}
+    body = _dfa_regex(initial, finals, edges)
+    if body is None:
+        raise Unsupported("no string matches")
+    out = f"^(?:{body})$"
+    if len(out) > MAX_CHARS:
+        raise Unsupported(f"a regex of {len(out)} characters")
+    return out
+
+
+def _fsm_regex(fsm) -> str:
+    """``^(?:...)$`` of a greenery FSM's language (:func:`_dfa_regex`). Raises :class:`Unsupported`
+    past the bounds or where the language is empty."""
+    fsm = fsm.reduce()
+    if len(fsm.states) > MAX_STATES:
+        raise Unsupported(f"{len(fsm.states)} DFA states")
+    edges: dict = {}
+    for i in fsm.states:
+        out = edges.setdefault(i, {})
+        for cls, j in fsm.map.get(i, {}).items():
+            rs = _invert(cls.ord_ranges) if cls.negated else [(a, min(b, _TOP)) for a, b in cls.ord_ranges if a <= _TOP]
+            if rs:
+                out.setdefault(j, []).extend(rs)
+    body = _dfa_regex(fsm.initial, set(fsm.finals), {i: {j: _merge(rs) for j, rs in o.items()} for i, o in edges.items()})
+    if body is None:
+        raise Unsupported("no string matches")
+    out = f"^(?:{body})$"
+    if len(out) > MAX_CHARS:
+        raise Unsupported(f"a regex of {len(out)} characters")
+    return out
+
+
+def lookaheads(pattern: str) -> bool:
+    """Whether ``pattern`` has a look-ahead (``(?=...)`` / ``(?!...)``), which llguidance refuses."""
+    try:
+        parsed = _p.parse(pattern)
+    except re.error:
+        return False
+
+    def has(items) -> bool:
+        for op, av in items:
+            if op in (_c.ASSERT, _c.ASSERT_NOT):
+                return True
+            if op in (_c.MAX_REPEAT, _c.MIN_REPEAT, _c.POSSESSIVE_REPEAT) and has(av[2]):
+                return True
+            if op in (_c.SUBPATTERN, _c.ATOMIC_GROUP) and has(av[-1]):
+                return True
+            if op is _c.BRANCH and any(has(a) for a in av[1]):
+                return True
+        return False
+    return has(parsed.data if hasattr(parsed, "data") else parsed)
+
+
+@functools.lru_cache(maxsize=256)
+def without_lookaheads(pattern: str) -> str:
+    """An anchored regex (``^...$``) with no look-around matching exactly the strings in which
+    ``pattern`` finds a match, for the forms users write: look-aheads right after a top-level
+    ``^`` (``^(?!org\\.bukkit\\.)[a-z.]+$``, ``^(?=.{1,255}$)...``), each the whole string's
+    start (``X`` then anything, or ``X`` alone where it ends with ``$``), and a positive
+    look-ahead ending a top-level alternative not anchored at its end (``a(?=\\.json)``: the
+    same as ``a\\.json`` searched). Built on automata: the rest of the alternative intersected
+    with each positive look-ahead's language and less each negative one's. Readings chosen so
+    the result is sound in every dialect: what the string must match in its narrowest reading,
+    what it must not match in its widest (with Python's ``$`` before a final newline); anchors
+    as ECMA-262 reads them. Raises :class:`Unsupported` (a look-ahead elsewhere, look-behind,
+    past the bounds, no string matches)."""
+    try:
+        parsed = _p.parse(pattern)
+    except re.error as e:
+        raise Unsupported(f"not a regex: {e}") from None
+    if parsed.state.flags & ~(_c.SRE_FLAG_UNICODE):
+        raise Unsupported("global flags")
+    anything = _mult(_charclass([(0, _TOP)]), 0, None)
+    begin = ((_c.AT, _c.AT_BEGINNING), (_c.AT, _c.AT_BEGINNING_STRING))
+    total = None
+    for alt in _alternatives(parsed.data if hasattr(parsed, "data") else parsed):
+        alt = list(alt)
+        start = bool(alt) and alt[0] in begin
+        alt = alt[1:] if start else alt
+        heads = []
+        while alt and alt[0][0] in (_c.ASSERT, _c.ASSERT_NOT) and alt[0][1][0] == 1:
+            heads.append(alt.pop(0))
+        if heads and not start:
+            raise Unsupported("a look-ahead in a search not anchored at its start")
+        end = bool(alt) and alt[-1][0] is _c.AT and alt[-1][1] in (_c.AT_END, _c.AT_END_STRING)
+        alt = alt[:-1] if end else alt
+        tail = []
+        if not end and alt and alt[-1][0] is _c.ASSERT and alt[-1][1][0] == 1:
+            tail = list(alt.pop()[1][1])
+        body = _seq(alt + tail, False, narrow=True)
+        mults = ([] if start else [anything]) + list(body.mults) + ([] if end else [anything])
+        language = _pattern([_conc(mults)])
+        if _positions(language) > MAX_POSITIONS:
+            raise Unsupported(f"{_positions(language)} positions with the bounded repeats written out")
+        fsm = language.to_fsm()
+        for op, (_, sub) in heads:
+            sub = list(sub)
+            closed = sub[-1][1] if sub and sub[-1][0] is _c.AT and sub[-1][1] in (_c.AT_END, _c.AT_END_STRING) else None
+            sub = sub[:-1] if closed else sub
+            x = _seq(sub, False, narrow=op is _c.ASSERT)
+            if closed is None:
+                after = [anything]
+            elif op is _c.ASSERT or closed is _c.AT_END_STRING:
+                after = []
+            else:   # (widest: Python's $ also before a final newline)
+                after = [_mult(_charclass([(10, 10)]), 0, 1)]
+            ahead = _pattern([_conc(list(x.mults) + after)])
+            if _positions(ahead) > MAX_POSITIONS:
+                raise Unsupported("a look-ahead past the bounds")
+            fsm = fsm.intersection(ahead.to_fsm()) if op is _c.ASSERT else fsm.difference(ahead.to_fsm())
+        total = fsm if total is None else total.union(fsm)
+    return _fsm_regex(total)
+

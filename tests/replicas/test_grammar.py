@@ -313,7 +313,7 @@ def test_schema_moved_for_completeness_falls_back_to_xgrammar_where_llguidance_r
     ({"type": "object", "if": {"properties": {"a": {"pattern": "^(?=x)"}}}, "then": {"required": ["b"]}}, "if at $"),
     ({"oneOf": [{"type": "number"}, {"type": "integer", "minimum": 3}]}, "oneOf with members that may overlap at $"),
     ({"$ref": "http://example.com/x.json"}, "not a local JSON pointer"),
-    ({"type": "object", "properties": {"p": {"type": "string", "pattern": "^(?!x)[a-z]+$"}}},
+    ({"type": "object", "properties": {"p": {"type": "string", "pattern": "^((?!x).)*$"}}},
      "pattern with look-around at $.properties.p"),
     ({"type": "object", "propertyNames": {"pattern": "^a"}, "patternProperties": {"^a": {}}}, "propertyNames at $"),
 ])
@@ -606,3 +606,26 @@ def test_routing_reads_a_format_that_is_not_a_string():
     assert unenforced_keywords({"type": "object", "properties": {"a": {"format": {"type": "string"}}}}) == []
     assert unenforced_keywords({"properties": {"a": {"format": "uuid"}}}) == ["format without type at $.properties.a"]
     assert unenforced_keywords({"properties": {"a": {"format": "x-custom"}}}) == []   # an annotation
+
+
+@pytest.mark.parametrize("pattern,bad,good", [
+    ("^[[a-z]*[-]?[a-z]*]*$", ["a*", "a?"], ["[", "a-b]", "ab"]),   # Rust read "[[" as a nested class
+    ("^[a&&b]$", ["c"], ["a", "&", "b"]),                                # and "&&" as intersection
+    ("^.+\\<.+@.+\\..+\\>$", ["x a@b.c y"], ["x <a@b.c>"]),            # "\<" a word boundary
+    ("^(?!@@)[@a-z]+$", ["@@a"], ["@a", "a@@"]),                        # look-ahead after ^ (refused before)
+    ("^(\\/?((\\.{2})|([a-z0-9\\-]*))($|\\/))*$", ["A", "..."], ["a/b", "../x", ""]),   # "$" inside
+])
+def test_patterns_read_as_python_and_ecma_do(engine, pattern, bad, good):
+    """Patterns whose syntax llguidance's regex engine (Rust's) reads otherwise, or refuses: each
+    string through the matcher agrees with Python's ``re`` (what ``jsonschema`` uses)."""
+    import re
+
+    from bench.grammar_soundness import Grammar
+    schema = {"type": "object", "properties": {"p": {"type": "string", "pattern": pattern, "maxLength": 40}},
+              "required": ["p"]}
+    g = Grammar(engine.grammar, engine.tokenizer, schema)
+    assert g.backend == "llguidance"
+    for s in bad:
+        assert not re.search(pattern, s) and g.guided({"p": s}) is None, s
+    for s in good:
+        assert re.search(pattern, s) and g.guided({"p": s}) is not None, s

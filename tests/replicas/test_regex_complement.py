@@ -119,3 +119,65 @@ def test_extendable_strings_go_on(data):
                                          "^v[0-9]+(\\.[0-9]+)*$", "^[A-Z][a-zA-Z0-9_]*$"]))
     s = data.draw(st.from_regex(pattern, fullmatch=True).filter(lambda x: not x.endswith("\n")))
     assert any(re.search(pattern, s + e) for e in [*"abxzAZ09_", "ab", "/"]), (pattern, s)
+
+
+INNER = [r"^(\/?((\.{2})|([a-z0-9\-]*))($|\/))*$", r"^$[a-z$_]*$", r"^a(b|$)", r"(^a|b)c", r"(a$|b)c?", r"x(^|y)z"]
+
+
+def _python(regex: str) -> str:
+    return re.sub(r"\\x\{([0-9a-fA-F]+)\}", lambda m: "\\U%08x" % int(m.group(1), 16), regex)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(INNER), st.text(alphabet="ab/.-xyz0c$_", max_size=8))
+def test_inner_anchors_written_out_exactly(pattern, s):
+    """Anchors inside a pattern (which llguidance refuses) written out on automata: the regex
+    matches a string whole exactly where the pattern finds a match in it (no newline drawn: there
+    Python's ``$`` also matches before a final one, which the rewrite does not take)."""
+    from replicas.regex_complement import inner_anchors, without_inner_anchors
+    assert inner_anchors(pattern)
+    out = without_inner_anchors(pattern)
+    assert (re.search(pattern, s) is not None) == (re.fullmatch(_python(out), s) is not None), (pattern, out, s)
+
+
+def test_inner_anchors_detected_and_impossible_ones_refused():
+    from replicas.regex_complement import inner_anchors, without_inner_anchors
+    assert not any(map(inner_anchors, ["^[a-z]+$", "abc", "^(a|b)$"]))
+    with pytest.raises(Unsupported):
+        without_inner_anchors(r"\/^[0-9]{4}$\/")   # "/" before the start: no string matches
+
+
+def test_inner_anchor_pattern_served(engine):
+    """A path pattern from JSONSchemaStore with ``($|\\/)`` inside: served by llguidance after the
+    rewrite, valid and invalid strings through the matcher."""
+    from bench.grammar_soundness import Grammar
+    schema = {"type": "object", "properties": {"p": {"type": "string", "pattern": INNER[0]}}, "required": ["p"]}
+    g = Grammar(engine.grammar, engine.tokenizer, schema)
+    assert g.backend == "llguidance"
+    for ok in ("a/b", "../x", "", "a/", "/a-b/c"):
+        assert g.guided({"p": ok}) is not None, ok
+    for bad in ("A", "a b", "...", "a/./b"):
+        assert g.guided({"p": bad}) is None, bad
+
+
+AHEAD = [r"^(?!@@)[@a-zA-Z0-9_-]+$", r"^(?!interactive|name|style).+$", r"^(?=[^=]+$)(?![ \t]+$)(.|\n)+$",
+         r"((?:[^\/]*\/)*)(?=\.(yaml|yml|json))", r"^(?![i|I][o|O][b|B])", r"^(?=.{1,5}$)[a-z.]+$",
+         r"^(?!org\.bukkit\.)([a-zA-Z_$][a-zA-Z0-9_$]*\.)*[a-zA-Z_$][a-zA-Z0-9_$]*$"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(AHEAD), st.text(alphabet="@ab.=/\t yamljsonio_IOBgk", max_size=10))
+def test_lookaheads_written_out_exactly(pattern, s):
+    """Look-aheads after ``^`` (and one ending an unanchored pattern), which llguidance refuses,
+    written out on automata: whole-string match exactly where the pattern finds a match."""
+    from replicas.regex_complement import lookaheads, without_lookaheads
+    assert lookaheads(pattern)
+    out = without_lookaheads(pattern)
+    assert (re.search(pattern, s) is not None) == (re.fullmatch(_python(out), s) is not None), (pattern, s)
+
+
+@pytest.mark.parametrize("pattern", [r"^((?!mode).)*$", r"a(?!b)c", r"(?<=a)b", r"^x(?!.*--)y$"])
+def test_lookaheads_elsewhere_left(pattern):
+    from replicas.regex_complement import without_lookaheads
+    with pytest.raises(Unsupported):
+        without_lookaheads(pattern)
