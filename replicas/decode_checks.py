@@ -13,9 +13,9 @@ keywords are removed from the grammar and checked on the text instead, exactly:
   array's items, ``ANY_KEY`` under ``additionalProperties`` / ``patternProperties``) through
   ``properties``, ``items``, local ``$ref``, ``allOf``, and also ``anyOf`` / ``oneOf`` /
   ``then`` / ``else`` branches (there a check may be enforced where the branch that asks
-  for it does not apply: only ever stricter, never looser). A cycle, a ``$ref`` that is not a
-  local pointer, a unique array of other items, two checks at one place: None (the schema
-  stays refused).
+  for it does not apply: only ever stricter, never looser). A check under a recursion (a
+  cycle of references), a ``$ref`` that is not a local pointer, a unique array of other items,
+  two checks at one place: None (the schema stays refused).
 - A unique array's items must be *extendable* (:func:`_extendable`, read on the schema
   llguidance compiles, so after ``strict`` closed its objects): every item the grammar can
   write can instead be continued, at the byte that would end it, into a different item: a
@@ -213,8 +213,8 @@ def check_paths(root: Any) -> frozenset | None:
     :func:`_item_values`), ``("properties", min, max)`` for objects whose ``minProperties`` /
     ``maxProperties`` llguidance cannot enforce (:func:`_counted_on_text`; ``max`` None where
     there is none). None where an array holds other items, an array or object is at a place this
-    cannot name (a cycle), one place may be asked two checks, or a count could leave an object
-    without a way forward: ``minProperties`` where some object at that place cannot take a new
+    cannot name (under a recursion: a cycle whose schemas hold a check), one place may be asked
+    two checks, or a count could leave an object without a way forward: ``minProperties`` where some object at that place cannot take a new
     name (:func:`_takes_new_name`; llguidance writes declared names in order, so a closed object
     may have none left), ``maxProperties`` where one has ``required`` names (the last comma
     allowed may come before them). An empty set: nothing to check."""
@@ -229,8 +229,11 @@ def check_paths(root: Any) -> frozenset | None:
         if not isinstance(node, dict):
             return
         visits += 1
-        if id(node) in stack or visits > MAX_VISITS:
+        if visits > MAX_VISITS:
             raise _Unsupported
+        if id(node) in stack:   # a recursive schema: fine where nothing below repeats a check
+            cycles.append(node)
+            return
         stack = stack | {id(node)}
         if "$ref" in node:
             if not isinstance(node["$ref"], str):
@@ -270,10 +273,13 @@ def check_paths(root: Any) -> frozenset | None:
                 for sub in node[k].values():
                     walk(sub, path, stack)
 
+    cycles: list = []
     try:
         walk(root, (), frozenset())
     except (_Unsupported, RecursionError):
         return None
+    if any(_has_checks(node, root) for node in cycles):
+        return None   # a check inside the recursion: at places without end
     for table in (unique, counts):
         for (a, va), (b, vb) in itertools.combinations(table.items(), 2):
             if va != vb and _overlap(a, b):
@@ -293,6 +299,31 @@ def check_paths(root: Any) -> frozenset | None:
                 return None
         counts[path] = ("properties", lo, hi, None)
     return frozenset(unique.items()) | frozenset(counts.items())
+
+
+def _has_checks(node: Any, root: Any) -> bool:
+    """Whether ``node`` or a schema under it (local ``$ref`` followed) has ``uniqueItems: true``
+    or a count the text would check (True too where it cannot tell)."""
+    from replicas.schema_oneof import UnresolvedRef, resolve_pointer
+    seen: set = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if isinstance(n, list):
+            todo += n
+            continue
+        if not isinstance(n, dict) or id(n) in seen:
+            continue
+        seen.add(id(n))
+        if len(seen) > MAX_VISITS or n.get("uniqueItems") is True or _counted_on_text(n):
+            return True
+        if isinstance(n.get("$ref"), str):
+            try:
+                todo.append(resolve_pointer(root, n["$ref"]))
+            except UnresolvedRef:
+                return True
+        todo += [v for k, v in n.items() if isinstance(v, (dict, list)) and k not in ("enum", "const", "default", "examples")]
+    return False
 
 
 def remove_checked(root: Any) -> frozenset | None:

@@ -333,3 +333,16 @@ def test_closed_count_looks_ahead(engine):
     test_mask_ends_no_repeat_and_leaves_a_way_on(engine, {**ABC, "minProperties": 2}, '{"b": "x"', ["}", '"}'])
     m2 = engine.grammar.matcher(GrammarSpec("json_schema", {**ABC, "required": ["c"], "maxProperties": 2}))
     assert m2.accept_string('{"a": "x"') and not m2.accept_string(', "b"') and m2.accept_string(', "c": "y"}')
+
+
+TREE = {"$defs": {"node": {"type": "object", "properties": {"name": STR, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}}}
+
+
+def test_recursive_schema_checked_outside_the_recursion():
+    """A recursive schema is fine where no check sits under the recursion (its places are then
+    finitely many); a unique array inside it stays refused."""
+    outside = {**TREE, "type": "object", "properties": {"tree": {"$ref": "#/$defs/node"}, "tags": TAGS}}
+    assert check_paths(outside) == frozenset({(("tags",), ("items", None, False))})
+    inside = {"$defs": {"node": {"type": "object", "properties": {"tags": TAGS, "kids": {
+        "type": "array", "items": {"$ref": "#/$defs/node"}}}}}, "$ref": "#/$defs/node"}
+    assert check_paths(inside) is None
