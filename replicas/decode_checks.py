@@ -210,14 +210,17 @@ def _takes_new_name(node: dict) -> bool:
 def check_paths(root: Any) -> frozenset | None:
     """What the text check enforces, as ``(instance path, check)`` pairs: ``("items", values,
     integers_only)`` for ``root``'s arrays with ``uniqueItems: true`` (module doc,
-    :func:`_item_values`), ``("properties", min, max)`` for objects whose ``minProperties`` /
-    ``maxProperties`` llguidance cannot enforce (:func:`_counted_on_text`; ``max`` None where
-    there is none). None where an array holds other items, an array or object is at a place this
-    cannot name (under a recursion: a cycle whose schemas hold a check), one place may be asked
-    two checks, or a count could leave an object without a way forward: ``minProperties`` where some object at that place cannot take a new
-    name (:func:`_takes_new_name`; llguidance writes declared names in order, so a closed object
-    may have none left), ``maxProperties`` where one has ``required`` names (the last comma
-    allowed may come before them). An empty set: nothing to check."""
+    :func:`_item_values`), ``("properties", min, max, names)`` for objects whose
+    ``minProperties`` / ``maxProperties`` llguidance cannot enforce (:func:`_counted_on_text`;
+    ``max`` None where there is none; ``names`` the declared ``(name, required)`` pairs of a
+    closed object, followed name by name, :func:`_next_names`, else None). None where an array
+    holds other items, an array or object is at a place this cannot name (under a recursion: a
+    cycle whose schemas hold a check), one place may be asked two checks, or a count could leave
+    an object without a way forward: ``minProperties`` where an open object at that place cannot
+    take a new name (:func:`_takes_new_name`), ``maxProperties`` where one has ``required``
+    names (the last comma allowed may come before them), a closed object beside others at that
+    place or with names llguidance does not write in declared order (:func:`_declared_names`).
+    An empty set: nothing to check."""
     from replicas.schema_oneof import UnresolvedRef, resolve_pointer
     unique: dict = {}
     counts: dict = {}
