@@ -268,8 +268,7 @@ def _complement_dfa(fsm) -> tuple:
         out = edges.setdefault(i, {})
         covered = []
         for cls, j in fsm.map.get(i, {}).items():
-            rs = _invert(cls.ord_ranges) if cls.negated else [(a, min(b, _TOP)) for a, b in cls.ord_ranges if a <= _TOP]
-            if rs:
+            if rs := _ranges_of(cls):
                 out.setdefault(j, []).extend(rs)
                 covered += rs
         rest = _invert(covered)
@@ -593,6 +592,38 @@ def explicit_negated_classes(pattern: str) -> str:
     return "".join(out)
 
 
+def _somewhere(items, hit) -> bool:
+    """Whether ``hit(op, av)`` holds for an item of a parsed pattern at any depth (inside
+    repeats, groups and alternatives)."""
+    for op, av in items:
+        if hit(op, av):
+            return True
+        if op in (_c.MAX_REPEAT, _c.MIN_REPEAT, _c.POSSESSIVE_REPEAT) and _somewhere(av[2], hit):
+            return True
+        if op in (_c.SUBPATTERN, _c.ATOMIC_GROUP) and _somewhere(av[-1], hit):
+            return True
+        if op is _c.BRANCH and any(_somewhere(a, hit) for a in av[1]):
+            return True
+    return False
+
+
+def _ranges_of(cls) -> list[tuple[int, int]]:
+    """The code point ranges of a greenery Charclass (a negated one inverted), capped at U+10FFFF."""
+    return _invert(cls.ord_ranges) if cls.negated else [(a, min(b, _TOP)) for a, b in cls.ord_ranges if a <= _TOP]
+
+
+def _anchored_regex(initial, finals, edges) -> str:
+    """``^(?:...)$`` of a DFA (:func:`_dfa_regex`). Raises :class:`Unsupported` where its language
+    is empty or the regex passes :data:`MAX_CHARS`."""
+    body = _dfa_regex(initial, finals, edges)
+    if body is None:
+        raise Unsupported("no string matches")
+    out = f"^(?:{body})$"
+    if len(out) > MAX_CHARS:
+        raise Unsupported(f"a regex of {len(out)} characters")
+    return out
+
+
 def extendable(pattern: str) -> bool:
     """Whether every string ``pattern`` finds a match in can be continued into a longer one it
     also finds a match in, in every reading: no end anchor, boundary or look-around anywhere
@@ -610,16 +641,8 @@ def extendable(pattern: str) -> bool:
     ends = (_c.AT_END, _c.AT_END_STRING, _c.AT_BOUNDARY, _c.AT_NON_BOUNDARY)
 
     def pinned(items) -> bool:   # an end anchor, boundary or assertion somewhere
-        for op, av in items:
-            if op is _c.AT and av in ends or op in (_c.ASSERT, _c.ASSERT_NOT, _c.GROUPREF, _c.GROUPREF_EXISTS):
-                return True
-            if op in (_c.MAX_REPEAT, _c.MIN_REPEAT, _c.POSSESSIVE_REPEAT) and pinned(av[2]):
-                return True
-            if op in (_c.SUBPATTERN, _c.ATOMIC_GROUP) and pinned(av[-1]):
-                return True
-            if op is _c.BRANCH and any(pinned(a) for a in av[1]):
-                return True
-        return False
+        return _somewhere(items, lambda op, av: op is _c.AT and av in ends or op in (
+            _c.ASSERT, _c.ASSERT_NOT, _c.GROUPREF, _c.GROUPREF_EXISTS))
 
     def open_end(items) -> bool:   # ends with an unbounded repeat of something non-empty
         if not items:
@@ -652,22 +675,10 @@ def inner_anchors(pattern: str) -> bool:
         parsed = _p.parse(pattern)
     except re.error:
         return False
-
-    def anchors(items) -> bool:
-        for op, av in items:
-            if op is _c.AT and av in _ANCHORS:
-                return True
-            if op in (_c.MAX_REPEAT, _c.MIN_REPEAT, _c.POSSESSIVE_REPEAT) and anchors(av[2]):
-                return True
-            if op in (_c.SUBPATTERN, _c.ATOMIC_GROUP) and anchors(av[-1]):
-                return True
-            if op is _c.BRANCH and any(anchors(a) for a in av[1]):
-                return True
-        return False
     for alt in _alternatives(parsed.data if hasattr(parsed, "data") else parsed):
         start = 1 if alt and alt[0][0] is _c.AT and alt[0][1] in (_c.AT_BEGINNING, _c.AT_BEGINNING_STRING) else 0
         end = len(alt) - 1 if len(alt) > start and alt[-1][0] is _c.AT and alt[-1][1] in (_c.AT_END, _c.AT_END_STRING) else len(alt)
-        if anchors(alt[start:end]):
+        if _somewhere(alt[start:end], lambda op, av: op is _c.AT and av in _ANCHORS):
             return True
     return False
 
@@ -705,8 +716,7 @@ def without_inner_anchors(pattern: str) -> str:
     marker: dict = {}
     for i in fsm.states:
         for cls, j in fsm.map.get(i, {}).items():
-            rs = _invert(cls.ord_ranges) if cls.negated else [(a, min(b, _TOP)) for a, b in cls.ord_ranges if a <= _TOP]
-            for a, b in rs:
+            for a, b in _ranges_of(cls):
                 for m in (_BEGIN, _END):
                     if a <= m <= b:
                         marker[(i, m)] = j
@@ -742,14 +752,7 @@ def without_inner_anchors(pattern: str) -> str:
                 out.setdefault(target, []).append((lo, hi - 1))
                 todo.append(target)
         edges[subset] = {t: _merge(rs) for t, rs in out.items()}
-    finals = {subset for subset in edges if subset & ends}
-    body = _dfa_regex(initial, finals, edges)
-    if body is None:
-        raise Unsupported("no string matches")
-    out = f"^(?:{body})$"
-    if len(out) > MAX_CHARS:
-        raise Unsupported(f"a regex of {len(out)} characters")
-    return out
+    return _anchored_regex(initial, {subset for subset in edges if subset & ends}, edges)
 
 
 def _fsm_regex(fsm) -> str:
@@ -762,16 +765,9 @@ def _fsm_regex(fsm) -> str:
     for i in fsm.states:
         out = edges.setdefault(i, {})
         for cls, j in fsm.map.get(i, {}).items():
-            rs = _invert(cls.ord_ranges) if cls.negated else [(a, min(b, _TOP)) for a, b in cls.ord_ranges if a <= _TOP]
-            if rs:
+            if rs := _ranges_of(cls):
                 out.setdefault(j, []).extend(rs)
-    body = _dfa_regex(fsm.initial, set(fsm.finals), {i: {j: _merge(rs) for j, rs in o.items()} for i, o in edges.items()})
-    if body is None:
-        raise Unsupported("no string matches")
-    out = f"^(?:{body})$"
-    if len(out) > MAX_CHARS:
-        raise Unsupported(f"a regex of {len(out)} characters")
-    return out
+    return _anchored_regex(fsm.initial, set(fsm.finals), {i: {j: _merge(rs) for j, rs in o.items()} for i, o in edges.items()})
 
 
 def lookaheads(pattern: str) -> bool:
@@ -780,19 +776,8 @@ def lookaheads(pattern: str) -> bool:
         parsed = _p.parse(pattern)
     except re.error:
         return False
-
-    def has(items) -> bool:
-        for op, av in items:
-            if op in (_c.ASSERT, _c.ASSERT_NOT):
-                return True
-            if op in (_c.MAX_REPEAT, _c.MIN_REPEAT, _c.POSSESSIVE_REPEAT) and has(av[2]):
-                return True
-            if op in (_c.SUBPATTERN, _c.ATOMIC_GROUP) and has(av[-1]):
-                return True
-            if op is _c.BRANCH and any(has(a) for a in av[1]):
-                return True
-        return False
-    return has(parsed.data if hasattr(parsed, "data") else parsed)
+    return _somewhere(parsed.data if hasattr(parsed, "data") else parsed,
+                      lambda op, av: op in (_c.ASSERT, _c.ASSERT_NOT))
 
 
 @functools.lru_cache(maxsize=256)
