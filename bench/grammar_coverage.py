@@ -10,7 +10,8 @@ every ground-truth call (first allowed value of each parameter) validates agains
 ``jsonschemabench``: every schema of JSONSchemaBench either compiles (with the backend
 ``replicas.grammar.backend_for`` picks: xgrammar or llguidance) or raises ``GrammarCompileError``
 within the time bound; reports served / refused / timed out per subset and per backend, the
-refusals left grouped by reason, and, for comparison, what ``--before-ref``'s rule served (a
+refusals left grouped by reason, how many served schemas have a ``oneOf`` negation narrowed
+(``replicas/schema_oneof.py``: sound, but some valid instances cannot be produced), and, for comparison, what ``--before-ref``'s rule served (a
 schema its ``unenforced_keywords`` flags refused, every other compiled by xgrammar; compiled again
 here only where this code sends it to llguidance). Each subset runs in a child process, so a crash
 inside the compiler is counted and the run goes on.
@@ -148,8 +149,11 @@ def _subset_worker(path: str, start: int, timeout_s: float, before_ref: str | No
             backend = "-"
         after, message = _status(lambda: compiler.compile(spec))
         seconds = time.perf_counter() - t0
+        narrowed = False
         if after == "served":   # (a fallback may have served it: the cache says which backend did)
-            backend = "llguidance" if isinstance(compiler.compile(spec), LLGuidanceGrammar) else "xgrammar"
+            compiled = compiler.compile(spec)
+            backend = "llguidance" if isinstance(compiled, LLGuidanceGrammar) else "xgrammar"
+            narrowed = bool(getattr(compiled, "narrowed", ()))
         before = None
         if before_check is not None:  # the ref's rule: refused before compiling, else xgrammar compiled it
             if isinstance(schema, str) or before_check(schema):
@@ -158,7 +162,7 @@ def _subset_worker(path: str, start: int, timeout_s: float, before_ref: str | No
                 before = after
             else:
                 before = _status(lambda: compiler._compile_in_thread("xgrammar", _check(spec)))[0]
-        conn.send((i, {"backend": backend, "after": after, "before": before, "seconds": seconds,
+        conn.send((i, {"backend": backend, "after": after, "before": before, "seconds": seconds, "narrowed": narrowed,
                        "reason": refusal_reason(message) if after == "refused" else ""}))
     conn.send(None)
 
@@ -185,7 +189,7 @@ def jsonschemabench_coverage(timeout_s: float, limit: int | None, progress_path:
         with gzip.open(path, "rt") as f:
             total = sum(1 for _ in f)
         total = min(total, limit) if limit else total
-        after, before = _empty_counts(), _empty_counts()
+        after, before, narrowed = _empty_counts(), _empty_counts(), 0
         by_backend = collections.defaultdict(_empty_counts)
         reasons, seconds = collections.Counter(), 0.0
         start = 0
@@ -221,13 +225,14 @@ def jsonschemabench_coverage(timeout_s: float, limit: int | None, progress_path:
                     before[r["before"]] += 1
                 if r["reason"]:
                     reasons[r["reason"]] += 1
+                narrowed += r["narrowed"]
                 seconds += r["seconds"]
                 start = i + 1
                 bar.update(1)
             proc.kill()
             proc.join()
         bar.close()
-        report[name] = {"schemas": total, "after": after, "by_backend": dict(by_backend),
+        report[name] = {"schemas": total, "after": after, "by_backend": dict(by_backend), "narrowed": narrowed,
                         "before": before if before_ref else None, "seconds": round(seconds, 2),
                         "reasons": dict(reasons.most_common())}
         if progress_path:  # keep finished subsets even if the run is stopped
@@ -241,8 +246,8 @@ def jsonschemabench_table(report: dict) -> str:
     import collections
     cols = [("after", "served"), ("after", "refused"), ("after", "timeout"), ("after", "crashed")]
     head = ("| subset | schemas | before: served | before: refused | before: timed out | served | "
-            "(xgrammar) | (llguidance) | refused | timed out | crashed | refused + timed out | seconds |")
-    lines = [head, "|" + "---|" * 2 + "---:|" * 11]
+            "(xgrammar) | (llguidance) | (narrowed) | refused | timed out | crashed | refused + timed out | seconds |")
+    lines = [head, "|" + "---|" * 2 + "---:|" * 12]
     tot, reasons = collections.Counter(), collections.Counter()
     for name, r in report.items():
         if not isinstance(r, dict) or "after" not in r:
@@ -252,7 +257,7 @@ def jsonschemabench_table(report: dict) -> str:
         row = {"schemas": r["schemas"], "b_served": b.get("served", 0), "b_refused": b.get("refused", 0),
                "b_timeout": b.get("timeout", 0) + b.get("crashed", 0),
                "x": bb.get("xgrammar", {}).get("served", 0), "l": bb.get("llguidance", {}).get("served", 0),
-               **{k: r["after"][k] for _, k in cols}, "seconds": r["seconds"]}
+               "narrowed": r.get("narrowed", 0), **{k: r["after"][k] for _, k in cols}, "seconds": r["seconds"]}
         tot.update(row)
         for reason, count in r["reasons"].items():
             reasons[canonical_reason(reason)] += count
@@ -277,7 +282,7 @@ def _row(name: str, r) -> str:
     n = r["schemas"] or 1
     bad = r["refused"] + r["timeout"] + r["crashed"]
     return (f"| {name} | {r['schemas']:,} | {r['b_served']:,} | {r['b_refused']:,} | {r['b_timeout']:,} | "
-            f"{r['served']:,} | {r['x']:,} | {r['l']:,} | {r['refused']:,} | {r['timeout']:,} | {r['crashed']:,} | "
+            f"{r['served']:,} | {r['x']:,} | {r['l']:,} | {r['narrowed']:,} | {r['refused']:,} | {r['timeout']:,} | {r['crashed']:,} | "
             f"{bad:,} ({100 * bad / n:.1f} %) | {r['seconds']:,.0f} |")
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import json
+import logging
 import re
 import time
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ import torch
 
 from replicas.errors import GrammarCompileError
 from replicas.format_regex import REGEX_PATTERN
+
+logger = logging.getLogger(__name__)
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf", "lark", "tools")
 
@@ -516,10 +519,11 @@ def ecma_whitespace(pattern: str) -> str:
     return "".join(out)
 
 
-def _llguidance_schema(schema: Any, strict: bool, inline_refs: bool = False) -> Any:
-    """A copy of ``schema`` for llguidance: each ``oneOf`` as an exact ``anyOf`` where its
+def _llguidance_schema(schema: Any, strict: bool, inline_refs: bool = False, narrowed: list | None = None) -> Any:
+    """A copy of ``schema`` for llguidance: each ``oneOf`` as an ``anyOf`` where its
     members' overlaps can be negated in keywords llguidance enforces
-    (:func:`replicas.schema_oneof.rewrite_one_of`), custom (undefined) formats dropped, ``date`` /
+    (:func:`replicas.schema_oneof.rewrite_one_of`; exact, or narrowed where the module doc says:
+    ``"<where>: <what>"`` appended to ``narrowed``), custom (undefined) formats dropped, ``date`` /
     ``date-time`` / ``time`` / ``uri-reference`` / ``hostname`` / ``email`` as patterns (:data:`_FORMAT_PATTERNS`,
     where the node has no ``pattern``); with ``strict``,
     no properties beyond those named (``additionalProperties: false`` where absent, except on
@@ -556,8 +560,11 @@ def _llguidance_schema(schema: Any, strict: bool, inline_refs: bool = False) -> 
                 node["items"] = False
     _rewrite_keywords(schema)
     from replicas.schema_oneof import rewrite_one_of
-    for node in [n for n, _ in _walk(schema) if isinstance(n.get("oneOf"), list)]:
-        rewrite_one_of(node, schema)   # exact anyOf where it can be written (else llguidance decides)
+    for node, where in [(n, w) for n, w in _walk(schema) if isinstance(n.get("oneOf"), list)]:
+        here: list = []
+        rewrite_one_of(node, schema, here)   # anyOf where it can be written (else llguidance decides)
+        if narrowed is not None:
+            narrowed += [f"{where}: {w}" for w in here]
     from replicas.regex_complement import explicit_negated_classes
     for node, _ in _walk(schema):   # last: the rewrites above write patterns too
         if isinstance(node.get("pattern"), str):
@@ -804,18 +811,19 @@ def _llguidance_grammar(spec: GrammarSpec, special: frozenset = frozenset()) -> 
     raise GrammarCompileError(f"no llguidance route for a {spec.kind} grammar")  # backend_for never asks
 
 
-def _llguidance_json_grammar(spec: GrammarSpec, inline_refs: bool = False) -> tuple[str, frozenset]:
+def _llguidance_json_grammar(spec: GrammarSpec, inline_refs: bool = False) -> tuple[str, frozenset, tuple]:
     """(llguidance grammar text, the paths of the unique arrays left to the
-    matcher: :func:`replicas.decode_checks.remove_checked`) for a json_schema spec;
-    ``inline_refs``: see :func:`_llguidance_schema`."""
+    matcher: :func:`replicas.decode_checks.remove_checked`, what was narrowed: see
+    :func:`_llguidance_schema`) for a json_schema spec; ``inline_refs``: see :func:`_llguidance_schema`."""
     import llguidance as llg
 
     from replicas.decode_checks import remove_checked
-    schema = _llguidance_schema(spec.value, spec.strict, inline_refs)
+    narrowed: list = []
+    schema = _llguidance_schema(spec.value, spec.strict, inline_refs, narrowed)
     text = json.dumps(schema)
     checked = '"uniqueItems"' in text or '"minProperties"' in text or '"maxProperties"' in text
     paths = (remove_checked(schema) or frozenset()) if checked else frozenset()
-    return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_LLG_JSON), paths
+    return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_LLG_JSON), paths, tuple(narrowed)
 
 
 def _llguidance_refusal(spec: GrammarSpec, message: str) -> str:
@@ -961,6 +969,7 @@ class LLGuidanceGrammar:
     template: Any
     tokenizer: Any  # the llguidance.LLTokenizer
     checked_paths: frozenset = frozenset()   # keywords checked on the text while decoding (replicas/decode_checks.py)
+    narrowed: tuple = ()   # "<where>: <what>" for each oneOf negation written for part of its instances
 
     @property
     def memory_size_bytes(self) -> int:
@@ -1042,7 +1051,7 @@ def _llguidance_tokenizer(tokenizer, vocab_size: int, stop_token_ids: list[int])
 
 
 def _llguidance_compile(tok, special: frozenset, spec: GrammarSpec, grammar: str | None = None,
-                        checked_paths: frozenset = frozenset()) -> LLGuidanceGrammar:
+                        checked_paths: frozenset = frozenset(), narrowed: tuple = ()) -> LLGuidanceGrammar:
     """Build and check an llguidance matcher for ``spec`` (or for ``grammar``, its JSON form,
     already built), computing its first mask so that lazy errors surface here.
 
@@ -1052,10 +1061,10 @@ def _llguidance_compile(tok, special: frozenset, spec: GrammarSpec, grammar: str
     import llguidance as llg
 
     def build(inline_refs: bool):
-        nonlocal grammar, checked_paths
+        nonlocal grammar, checked_paths, narrowed
         try:
             if grammar is None and spec.kind == "json_schema":
-                grammar, checked_paths = _llguidance_json_grammar(spec, inline_refs)
+                grammar, checked_paths, narrowed = _llguidance_json_grammar(spec, inline_refs)
             grammar = grammar or _llguidance_grammar(spec, special)
         except ValueError as e:
             return None, str(e)
@@ -1071,7 +1080,7 @@ def _llguidance_compile(tok, special: frozenset, spec: GrammarSpec, grammar: str
         m, error = build(True)
     if m is None:
         raise GrammarCompileError(_llguidance_refusal(spec, error))
-    return LLGuidanceGrammar(grammar, m, tok, checked_paths)
+    return LLGuidanceGrammar(grammar, m, tok, checked_paths, narrowed)
 
 
 _CIRCULAR = "circular references with sibling keys"   # llguidance's words (replicas/schema_refs.py)
@@ -1094,7 +1103,7 @@ def _compile_worker(info_json: str, llg_args: tuple, conn) -> None:
             else:
                 llg_tok = llg_tok or _llguidance_tokenizer(*llg_args)
                 compiled = _llguidance_compile(*llg_tok, spec)
-                conn.send(("ok", (compiled.grammar, compiled.checked_paths)))
+                conn.send(("ok", (compiled.grammar, compiled.checked_paths, compiled.narrowed)))
         except GrammarCompileError as e:
             conn.send(("refused", str(e)))
         except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own types
@@ -1222,8 +1231,9 @@ class GrammarCompiler:
         if backend == "llguidance":
             # Rebuilt here from the checked text (milliseconds for most grammars; the compiler
             # process bounded the time); counted by the text's size.
-            text, paths = payload
-            return _llguidance_compile(*self.llg, spec, grammar=text, checked_paths=paths), len(text)
+            text, paths, narrowed = payload
+            return _llguidance_compile(*self.llg, spec, grammar=text, checked_paths=paths,
+                                       narrowed=narrowed), len(text)
         compiled = self.xgr.CompiledGrammar.deserialize_json(payload, self.info)
         size = len(payload)
         del payload
@@ -1252,6 +1262,9 @@ class GrammarCompiler:
                 if fallback_for(spec) is None:
                     raise
                 compiled, size = self._compile_backend(fallback_for(spec), spec)
+            if getattr(compiled, "narrowed", ()):
+                logger.info("schema served narrowed (valid instances it cannot produce): %s",
+                            "; ".join(compiled.narrowed))
             if size <= self.cache_bytes:
                 self._cache[key] = (compiled, size)
                 self._cached_bytes += size

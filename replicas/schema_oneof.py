@@ -9,8 +9,19 @@ members are pairwise disjoint becomes its ``anyOf`` unchanged. ``not B`` is writ
 llguidance enforces (:func:`negate`), exact for every instance of ``P`` and ``A``: e.g.
 ``not {required: [x, y]}`` is ``anyOf: [{type: object, properties: {x: false}}, {type: object,
 properties: {y: false}}]``. Where a negation cannot be written exactly (a ``pattern``, a
-``format``, ``items``, a nested ``oneOf``, ``integer`` inside ``number``, ...) the ``oneOf`` is
-left as it is, and llguidance refuses it (or proves it disjoint itself).
+``format``, a nested ``oneOf``, ``integer`` inside ``number``, ...) the ``oneOf`` is left as it
+is, and llguidance refuses it (or proves it disjoint itself).
+
+Narrowing (only where the caller of :func:`rewrite_one_of` allows it): two negations that JSON
+Schema cannot write for an unbounded context are written for part of the instances that fail, so
+the branch ``A and not B`` accepts a subset of what it should (sound: nothing outside the
+``oneOf`` is accepted; incomplete: some valid instances cannot be produced), and the caller is
+told which. "An item fails ``items: S``" needs ``contains`` (llguidance has none) where the
+context does not bound the array's length: it is written for the first :data:`NARROW_POSITIONS`
+positions (an array whose first failing item comes later is not produced). "A property outside
+``properties`` fails ``additionalProperties: S``" needs "some other name" where the context's
+objects are open: it is written for the names the context itself declares or requires (an object
+whose only extra property has another name is not produced); with no such name it is refused.
 
 Reasoning is on "facets": a schema node is the conjunction of its keywords and of the nodes its
 local ``$ref`` points to (llguidance intersects a ``$ref`` with its siblings, as Draft 2020-12
@@ -24,6 +35,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import threading
 from typing import Any
 
 # Kinds of JSON values: "int" is an integer-valued number, "frac" any other number.
@@ -41,6 +53,7 @@ _ASSERTIONS = {"type", "enum", "const", "multipleOf", "maximum", "exclusiveMaxim
                "disallow", "extends", "divisibleBy"}
 MAX_ALTERNATIVES = 64   # per negation (a product of anyOf negations past it is not written)
 MAX_POSITIONS = 16   # array lengths up to which "an item fails S" is written position by position
+NARROW_POSITIONS = 8   # positions "an item fails S" is written for where the length is unbounded (narrowing)
 MAX_REWRITE_CHARS = 100_000   # JSON characters of one oneOf's rewritten branches
 
 
@@ -110,11 +123,14 @@ def facets(node: Any, root: Any, depth: int = 0) -> list:
     return out + (facets(resolve_pointer(root, ref), root, depth + 1) if isinstance(ref, str) else [])
 
 
+_MEMBER_DEPTH = 2   # anyOf / oneOf levels Info looks into
+
+
 class Info:
     """What every instance of a facet list satisfies (sound, not complete)."""
 
-    def __init__(self, fs: list, root: Any):
-        self.root, self.facets = root, fs
+    def __init__(self, fs: list, root: Any, depth: int = 0):
+        self.root, self.facets, self.depth = root, fs, depth
         self.false = any(f is False for f in fs)
         self.kinds = set(_KINDS)
         self.values = None   # {canon: value} or None (any)
@@ -134,6 +150,9 @@ class Info:
                 self.values = got if self.values is None else {k: v for k, v in self.values.items() if k in got}
             if isinstance(f.get("required"), list):
                 self.required |= {r for r in f["required"] if isinstance(r, str)}
+            for k in ("anyOf", "oneOf"):   # an instance satisfies one member at least: its kinds
+                if isinstance(f.get(k), list) and depth < _MEMBER_DEPTH:
+                    self.kinds &= set().union(*(self._member(m).kinds for m in f[k]))
             if f.get("additionalProperties") is False and not f.get("patternProperties"):
                 names = set(f.get("properties") or {}) if isinstance(f.get("properties", {}), dict) else set()
                 self.closed = names if self.closed is None else self.closed & names
@@ -159,6 +178,26 @@ class Info:
             if f.get("additionalProperties") is False and not f.get("patternProperties"):
                 return True
         return False
+
+    def declared(self) -> set:
+        """The names the facets' ``properties`` declare, and their ``anyOf`` / ``oneOf`` members'."""
+        out = set()
+        for f in self.facets:
+            if isinstance(f, dict) and isinstance(f.get("properties"), dict):
+                out |= set(f["properties"])
+            for k in ("anyOf", "oneOf"):
+                if isinstance(f, dict) and isinstance(f.get(k), list) and self.depth < _MEMBER_DEPTH:
+                    for m in f[k]:
+                        out |= self._member(m).declared()
+        return out
+
+    def _member(self, m: Any) -> "Info":
+        """What every instance of the ``anyOf`` / ``oneOf`` member ``m`` satisfies (nothing
+        known where its ``$ref`` cannot be followed)."""
+        try:
+            return Info(facets(m, self.root), self.root, self.depth + 1)
+        except UnresolvedRef:
+            return Info([True], self.root, _MEMBER_DEPTH)
 
     def prop(self, name: str) -> list:
         """The facets an instance's property ``name`` (when present) satisfies."""
@@ -313,6 +352,21 @@ class _Inexpressible(Exception):
     pass
 
 
+class _Narrowing(threading.local):
+    sink: list | None = None   # where :func:`_narrow` records; None: narrowing not allowed
+
+
+_narrowing = _Narrowing()
+
+
+def _narrow(what: str) -> None:
+    """Record that a negation is written for part of the instances that fail (module doc,
+    "Narrowing"); raises :class:`_Inexpressible` where the caller does not allow it."""
+    if _narrowing.sink is None:
+        raise _Inexpressible(what)
+    _narrowing.sink.append(what)
+
+
 Inexpressible = _Inexpressible   # (for the other rewrites, replicas.schema_not, ...)
 
 
@@ -452,11 +506,18 @@ def _negate_keyword(k: str, v: Any, f: dict, ci: Info, ctx: list, root: Any, dep
     if k == "additionalProperties":
         if v is True or v == {} or "object" not in ci.kinds:
             return []
-        if f.get("patternProperties") or ci.closed is None:
-            raise _Inexpressible("additionalProperties")   # "some other name" needs a closed context
+        if f.get("patternProperties"):
+            raise _Inexpressible("additionalProperties")   # (which names are "other" is the patterns')
         named = set(f.get("properties") or {})
+        names = ci.closed
+        if names is None:   # "some other name" in open objects: the names the context declares (narrowed)
+            names = {n for n in ci.declared() | ci.required if not ci.forbids(n)}
+            if not names - named:
+                raise _Inexpressible("additionalProperties")
+            _narrow("additionalProperties: a property outside `properties` only among the names the "
+                    "other members declare")
         out = []
-        for name in sorted(ci.closed - named):
+        for name in sorted(names - named):
             if v is False:
                 out.append({"type": "object", "required": [name]})
             else:
@@ -498,10 +559,13 @@ def _negate_keyword(k: str, v: Any, f: dict, ci: Info, ctx: list, root: Any, dep
             # not (X and items) = not X, or (X and not items), and not X is written beside.
             cx = _info(ctx + [{x: y for x, y in f.items() if x != "items"}], root)
             longest = _bound(cx, "maxItems", False) if cx is not None else None
-            if longest is None or longest > MAX_POSITIONS or any(
-                    isinstance(g, dict) and ("prefixItems" in g or isinstance(g.get("items"), list))
-                    for g in cx.facets):
+            if cx is None or any(isinstance(g, dict) and ("prefixItems" in g or isinstance(g.get("items"), list))
+                                 for g in cx.facets):
                 raise _Inexpressible("items")
+            if longest is None or longest > MAX_POSITIONS:   # (needs `contains`): narrowed
+                _narrow(f"items: an item failing the other member's `items` only among the first "
+                        f"{NARROW_POSITIONS} positions")
+                longest = NARROW_POSITIONS
             negs = negate(facets(v, root), own_facets, root, depth + 1)
         except UnresolvedRef:
             raise _Inexpressible("items") from None
@@ -839,9 +903,22 @@ def _negate_apart(b: list, ctx: list, root: Any, apart: set, kinds: set) -> list
     return [typed[0], *negate(b, ctx + [typed[1]], root)]
 
 
-def rewrite_one_of(node: dict, root: Any) -> bool:
+def rewrite_one_of(node: dict, root: Any, narrowed: list | None = None) -> bool:
     """Replace ``node``'s ``oneOf`` by an exact ``anyOf`` (module doc), in place; False (node
-    unchanged) where a member's negation cannot be written exactly."""
+    unchanged) where a member's negation cannot be written exactly. With a list ``narrowed``,
+    narrowing is allowed (module doc) and what was narrowed is appended to it (one line each,
+    without repeats)."""
+    _narrowing.sink = [] if narrowed is not None else None
+    try:
+        done = _rewrite_one_of(node, root)
+        if done and narrowed is not None:
+            narrowed += [w for w in dict.fromkeys(_narrowing.sink) if w not in narrowed]
+        return done
+    finally:
+        _narrowing.sink = None
+
+
+def _rewrite_one_of(node: dict, root: Any) -> bool:
     members = node.get("oneOf")
     if not isinstance(members, list) or not members:
         return False

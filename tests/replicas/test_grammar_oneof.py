@@ -85,6 +85,11 @@ IDIOMS = [
     ("a boolean const against a boolean",
      {"oneOf": [{"type": "boolean"}, {"const": True}]},
      [False], [None], True),
+    ("a member that is itself a oneOf of other types (Github_hard #997: a string, strings, or an object)",
+     {"$defs": {"strs": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}},
+      "oneOf": [{"$ref": "#/$defs/strs"},
+                {"type": "object", "properties": {"path": {"$ref": "#/$defs/strs"}}, "additionalProperties": False}]},
+     ["x", ["a", "b"], {"path": ["a"]}, {}], [1, {"other": 1}, ["a", 1]], None),
 ]
 
 
@@ -153,6 +158,47 @@ def test_unsatisfiable_one_of_is_refused_not_served(engine):
               "oneOf": [{"required": ["a"]}, {"required": ["b"]}]}
     with pytest.raises(GrammarCompileError, match="Unsatisfiable|cannot accept any value"):
         engine.grammar.compile(GrammarSpec("json_schema", schema))
+
+
+# Narrowed negations (replicas/schema_oneof.py, "Narrowing"): (schema, valid instances served,
+# invalid instances, a valid instance the narrowed grammar cannot produce, what is narrowed).
+NARROWED = [
+    ("an item failing the other member's items, in an array of any length",
+     {"oneOf": [{"type": "array", "items": {"type": "string"}},
+                {"type": "array", "items": {"type": "string", "maxLength": 3}}]},
+     [["abcd"], ["a", "bcde"], ["a"] * 7 + ["abcd"]], [["a"], [], [1], "abcd"], ["a"] * 8 + ["abcd"], "items"),
+    ("a property outside properties, in open objects",
+     {"type": "object", "oneOf": [{"properties": {"a": {"type": "string"}}, "additionalProperties": False},
+                                  {"properties": {"b": INT}}]},
+     [{"b": 1}, {"a": 1}, {"a": "x", "b": 2}], [{}, {"a": "x"}, {"b": "x"}], {"c": 1}, "additionalProperties"),
+]
+
+
+@pytest.mark.parametrize("idiom,schema,valid,invalid,unproduced,what", NARROWED, ids=[n[0] for n in NARROWED])
+def test_narrowed_negation_is_sound_and_says_what_it_cannot_produce(engine, idiom, schema, valid, invalid,
+                                                                     unproduced, what):
+    v = _validator(schema)
+    assert all(v.is_valid(x) for x in [*valid, unproduced]) and not any(v.is_valid(x) for x in invalid)
+    compiled = engine.grammar.compile(GrammarSpec("json_schema", schema))
+    assert len(compiled.narrowed) == 1 and compiled.narrowed[0].startswith(f"$: {what}:"), compiled.narrowed
+    g = _grammar(engine, schema)
+    for x in valid:
+        assert g.guided(x) is not None, x
+    for x in [*invalid, unproduced]:   # (the last is valid: what the narrowing costs)
+        assert g.guided(x) is None, x
+    rng = random.Random(0)
+    for _ in range(3):
+        text = g.sample(rng)
+        assert text is None or v.is_valid(json.loads(text)), text
+
+
+def test_narrowing_only_where_the_caller_allows_it():
+    from replicas.schema_oneof import rewrite_one_of
+    schema = NARROWED[0][1]
+    node = json.loads(json.dumps(schema))
+    assert not rewrite_one_of(node, node) and node == schema        # exact only: left as it is
+    narrowed: list = []
+    assert rewrite_one_of(node, node, narrowed) and "anyOf" in node and narrowed[0].startswith("items:")
 
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "jsonschemabench" / "schemas"
