@@ -572,7 +572,9 @@ def _negate_keyword(k: str, v: Any, f: dict, ci: Info, ctx: list, root: Any, dep
         if not negs:
             return []
         item = negs[0] if len(negs) == 1 else {"anyOf": negs}
-        return [{"type": "array", "minItems": i + 1, "prefixItems": [True] * i + [item]} for i in range(longest)]
+        # (the tuple as an `items` list: llguidance ignores `prefixItems` under a draft 4 to 2019-09
+        # `$schema`, and reads the list form in every draft)
+        return [{"type": "array", "minItems": i + 1, "items": [True] * i + [item]} for i in range(longest)]
     if k in ("const", "enum"):
         vals = [v] if k == "const" else v
         if not isinstance(vals, list):

@@ -82,6 +82,11 @@ IDIOMS = [
                                   {"required": ["b"], "properties": {"b": {"$ref": "#/$defs/pair"}}}]},
      [{"a": [1, 2]}, {"b": [1, 2]}, {"a": [1, 2], "b": [1, "x"]}, {"a": ["x", 1], "b": [1, 2]}, {"a": [1, 2], "b": [1]}],
      [{}, {"a": [1, "x"]}], {"a": [1, 2], "b": [3, 4]}),
+    ("a bounded array negated position by position in a draft-07 schema (tuples as an items list)",
+     {"$schema": "http://json-schema.org/draft-07/schema#",
+      "oneOf": [{"type": "array", "maxItems": 3, "items": {"type": "string"}},
+                {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 1}}]},
+     [["ab"], ["a", "bc"], ["a", "b", "cd"]], [["a", "b"], [1], ["a", "b", "c", "dd"]], ["a"]),
     ("a boolean const against a boolean",
      {"oneOf": [{"type": "boolean"}, {"const": True}]},
      [False], [None], True),
@@ -171,6 +176,15 @@ NARROWED = [
      {"type": "object", "oneOf": [{"properties": {"a": {"type": "string"}}, "additionalProperties": False},
                                   {"properties": {"b": INT}}]},
      [{"b": 1}, {"a": 1}, {"a": "x", "b": 2}], [{}, {"a": "x"}, {"b": "x"}], {"c": 1}, "additionalProperties"),
+    ("the same in a draft-04 schema (Github_trivial #62; llguidance ignores prefixItems there)",
+     {"$schema": "http://json-schema.org/draft-04/schema#", "type": "object", "required": ["e"],
+      "oneOf": [{"properties": {"e": {"type": "array", "items": {"type": "object", "required": ["n"]}}}},
+                {"properties": {"e": {"type": "array", "items": {"type": "object", "required": ["n", "s"],
+                                                                    "properties": {"s": {"type": "boolean"}}}}}}]},
+     [{"e": [{"n": 1}]}, {"e": [{"s": True, "n": 1}, {"s": 1, "n": 2}]}],   # (declared names first: the
+     # helper picks keys greedily, and an item that must fail at `s` is written with `s` first)
+     [{"e": [{"n": 1, "s": False}]}, {"e": [{"n": 1, "s": True}, {"n": 1, "s": False, "z": 0}]}, {"e": []}],
+     {"e": [{"n": 1, "s": True}] * 8 + [{"n": 1}]}, "items"),
 ]
 
 
