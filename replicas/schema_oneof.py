@@ -150,9 +150,13 @@ class Info:
                 self.values = got if self.values is None else {k: v for k, v in self.values.items() if k in got}
             if isinstance(f.get("required"), list):
                 self.required |= {r for r in f["required"] if isinstance(r, str)}
-            for k in ("anyOf", "oneOf"):   # an instance satisfies one member at least: its kinds
+            for k in ("anyOf", "oneOf"):   # an instance satisfies one member at least: its kinds, values
                 if isinstance(f.get(k), list) and depth < _MEMBER_DEPTH:
-                    self.kinds &= set().union(*(self._member(m).kinds for m in f[k]))
+                    members = [self._member(m) for m in f[k]]
+                    self.kinds &= set().union(*(m.kinds for m in members))
+                    if members and all(m.values is not None for m in members):
+                        got = {c: v for m in members for c, v in m.values.items()}
+                        self.values = got if self.values is None else {c: v for c, v in self.values.items() if c in got}
             if f.get("additionalProperties") is False and not f.get("patternProperties"):
                 names = set(f.get("properties") or {}) if isinstance(f.get("properties", {}), dict) else set()
                 self.closed = names if self.closed is None else self.closed & names

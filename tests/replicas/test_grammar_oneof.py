@@ -87,6 +87,11 @@ IDIOMS = [
       "oneOf": [{"type": "array", "maxItems": 3, "items": {"type": "string"}},
                 {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 1}}]},
      [["ab"], ["a", "bc"], ["a", "b", "cd"]], [["a", "b"], [1], ["a", "b", "c", "dd"]], ["a"]),
+    ("a member that is a oneOf of enums against another enum (Github_easy #1921: disjoint by values)",
+     {"type": "array", "items": {"oneOf": [{"oneOf": [{"type": "string", "enum": ["app.get", "app.post"]},
+                                                      {"type": "string", "enum": ["org.get"]}]},
+                                           {"type": "string", "enum": ["me.get", "me.patch"]}]}},
+     [["app.get", "org.get", "me.patch"], []], [["me"], ["app.get", 1]], None),
     ("a boolean const against a boolean",
      {"oneOf": [{"type": "boolean"}, {"const": True}]},
      [False], [None], True),
@@ -155,6 +160,18 @@ def test_rewrite_leaves_disjoint_members_as_they_are():
     schema = {"$defs": DEFS, "oneOf": [{"$ref": "#/$defs/s"}, {"type": "null"}, INT]}
     assert _llguidance_schema(schema, False)["anyOf"] == schema["oneOf"]
     assert "oneOf" in _llguidance_schema({"oneOf": [{"type": "number"}, INT]}, False)   # left to llguidance
+
+
+def test_values_of_nested_members_prove_enums_disjoint():
+    """The values of a nested oneOf's enum members are read through it: no negation is written
+    (it was a complement pattern of every other value, which llguidance's lexer gave up on for
+    Github_easy #1921's 200 scopes: "too many expressions constructed", every instance rejected)."""
+    from replicas.grammar import _llguidance_schema
+    schema = next(i[1] for i in IDIOMS if "Github_easy #1921" in i[0])
+    out = _llguidance_schema(schema, False)
+    members = out["items"]["anyOf"]
+    assert members[1] == schema["items"]["oneOf"][1] and members[0]["anyOf"] == schema["items"]["oneOf"][0]["oneOf"]
+    assert "pattern" not in json.dumps(out) and "allOf" not in json.dumps(out)
 
 
 def test_unsatisfiable_one_of_is_refused_not_served(engine):
