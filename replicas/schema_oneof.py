@@ -136,6 +136,7 @@ class Info:
         self.values = None   # {canon: value} or None (any)
         self.required: set = set()
         self.closed = None   # the names an object may have, or None (any)
+        self.members: list[list[Info]] = []   # per anyOf / oneOf facet, its members' Info (one holds)
         for f in fs:
             if not isinstance(f, dict):
                 continue
@@ -153,6 +154,7 @@ class Info:
             for k in ("anyOf", "oneOf"):   # an instance satisfies one member at least: its kinds, values
                 if isinstance(f.get(k), list) and depth < _MEMBER_DEPTH:
                     members = [self._member(m) for m in f[k]]
+                    self.members.append(members)
                     self.kinds &= set().union(*(m.kinds for m in members))
                     if members and all(m.values is not None for m in members):
                         got = {c: v for m in members for c, v in m.values.items()}
@@ -185,15 +187,9 @@ class Info:
 
     def declared(self) -> set:
         """The names the facets' ``properties`` declare, and their ``anyOf`` / ``oneOf`` members'."""
-        out = set()
-        for f in self.facets:
-            if isinstance(f, dict) and isinstance(f.get("properties"), dict):
-                out |= set(f["properties"])
-            for k in ("anyOf", "oneOf"):
-                if isinstance(f, dict) and isinstance(f.get(k), list) and self.depth < _MEMBER_DEPTH:
-                    for m in f[k]:
-                        out |= self._member(m).declared()
-        return out
+        out = {n for f in self.facets if isinstance(f, dict) and isinstance(f.get("properties"), dict)
+               for n in f["properties"]}
+        return out.union(*(m.declared() for members in self.members for m in members))
 
     def _member(self, m: Any) -> "Info":
         """What every instance of the ``anyOf`` / ``oneOf`` member ``m`` satisfies (nothing
@@ -562,10 +558,10 @@ def _negate_keyword(k: str, v: Any, f: dict, ci: Info, ctx: list, root: Any, dep
             # and does not tell positions apart. The facet's other keywords count as context:
             # not (X and items) = not X, or (X and not items), and not X is written beside.
             cx = _info(ctx + [{x: y for x, y in f.items() if x != "items"}], root)
-            longest = _bound(cx, "maxItems", False) if cx is not None else None
             if cx is None or any(isinstance(g, dict) and ("prefixItems" in g or isinstance(g.get("items"), list))
                                  for g in cx.facets):
                 raise _Inexpressible("items")
+            longest = _bound(cx, "maxItems", False)
             if longest is None or longest > MAX_POSITIONS:   # (needs `contains`): narrowed
                 _narrow(f"items: an item failing the other member's `items` only among the first "
                         f"{NARROW_POSITIONS} positions")

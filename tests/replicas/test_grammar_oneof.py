@@ -6,6 +6,7 @@ exactly stays refused, naming where."""
 
 import gzip
 import json
+import logging
 import random
 from pathlib import Path
 
@@ -206,12 +207,14 @@ NARROWED = [
 
 
 @pytest.mark.parametrize("idiom,schema,valid,invalid,unproduced,what", NARROWED, ids=[n[0] for n in NARROWED])
-def test_narrowed_negation_is_sound_and_says_what_it_cannot_produce(engine, idiom, schema, valid, invalid,
+def test_narrowed_negation_is_sound_and_says_what_it_cannot_produce(engine, caplog, idiom, schema, valid, invalid,
                                                                      unproduced, what):
     v = _validator(schema)
     assert all(v.is_valid(x) for x in [*valid, unproduced]) and not any(v.is_valid(x) for x in invalid)
-    compiled = engine.grammar.compile(GrammarSpec("json_schema", schema))
+    with caplog.at_level(logging.INFO, logger="replicas.grammar"):
+        compiled = engine.grammar.compile(GrammarSpec("json_schema", schema))
     assert len(compiled.narrowed) == 1 and compiled.narrowed[0].startswith(f"$: {what}:"), compiled.narrowed
+    assert any("served narrowed" in r.getMessage() and compiled.narrowed[0] in r.getMessage() for r in caplog.records)
     g = _grammar(engine, schema)
     for x in valid:
         assert g.guided(x) is not None, x
