@@ -519,7 +519,8 @@ def ecma_whitespace(pattern: str) -> str:
     return "".join(out)
 
 
-def _llguidance_schema(schema: Any, strict: bool, inline_refs: bool = False, narrowed: list | None = None) -> Any:
+def _llguidance_schema(schema: Any, strict: bool, inline_refs: bool = False, narrowed: list | None = None,
+                       mode: str = "exact") -> Any:
     """A copy of ``schema`` for llguidance: each ``oneOf`` as an ``anyOf`` where its
     members' overlaps can be negated in keywords llguidance enforces
     (:func:`replicas.schema_oneof.rewrite_one_of`; exact, or narrowed where the module doc says:
@@ -531,7 +532,9 @@ def _llguidance_schema(schema: Any, strict: bool, inline_refs: bool = False, nar
     ``prefixItems``, as xgrammar's strict mode. With ``inline_refs`` (a retry where llguidance
     refused recursive references it must intersect), a draft 3 to 7 schema's ``$ref`` siblings
     are removed first (they are ignored there) and such references are inlined last
-    (:mod:`replicas.schema_refs`)."""
+    (:mod:`replicas.schema_refs`). ``mode``: how far a ``oneOf`` 's negations may be narrowed
+    (:func:`replicas.schema_oneof.rewrite_one_of`; retries of :func:`_llguidance_compile` where
+    llguidance refused a ``oneOf`` left as it is, or a rewrite too large)."""
     import copy
 
     from replicas.schema_refs import drop_legacy_ref_siblings, inline_intersected_refs
@@ -562,7 +565,7 @@ def _llguidance_schema(schema: Any, strict: bool, inline_refs: bool = False, nar
     from replicas.schema_oneof import rewrite_one_of
     for node, where in [(n, w) for n, w in _walk(schema) if isinstance(n.get("oneOf"), list)]:
         here: list = []
-        rewrite_one_of(node, schema, here)   # anyOf where it can be written (else llguidance decides)
+        rewrite_one_of(node, schema, here, mode)   # anyOf where it can be written (else llguidance decides)
         if narrowed is not None:
             narrowed += [f"{where}: {w}" for w in here]
     from replicas.regex_complement import explicit_negated_classes
@@ -811,7 +814,8 @@ def _llguidance_grammar(spec: GrammarSpec, special: frozenset = frozenset()) -> 
     raise GrammarCompileError(f"no llguidance route for a {spec.kind} grammar")  # backend_for never asks
 
 
-def _llguidance_json_grammar(spec: GrammarSpec, inline_refs: bool = False) -> tuple[str, frozenset, tuple]:
+def _llguidance_json_grammar(spec: GrammarSpec, inline_refs: bool = False,
+                            mode: str = "exact") -> tuple[str, frozenset, tuple]:
     """(llguidance grammar text, the paths of the unique arrays left to the
     matcher: :func:`replicas.decode_checks.remove_checked`, what was narrowed: see
     :func:`_llguidance_schema`) for a json_schema spec; ``inline_refs``: see :func:`_llguidance_schema`."""
@@ -819,7 +823,7 @@ def _llguidance_json_grammar(spec: GrammarSpec, inline_refs: bool = False) -> tu
 
     from replicas.decode_checks import remove_checked
     narrowed: list = []
-    schema = _llguidance_schema(spec.value, spec.strict, inline_refs, narrowed)
+    schema = _llguidance_schema(spec.value, spec.strict, inline_refs, narrowed, mode)
     text = json.dumps(schema)
     checked = '"uniqueItems"' in text or '"minProperties"' in text or '"maxProperties"' in text
     paths = (remove_checked(schema) or frozenset()) if checked else frozenset()
@@ -1060,30 +1064,43 @@ def _llguidance_compile(tok, special: frozenset, spec: GrammarSpec, grammar: str
     """
     import llguidance as llg
 
-    def build(inline_refs: bool):
+    def build(inline_refs: bool, mode: str = "exact"):
         nonlocal grammar, checked_paths, narrowed
         try:
             if grammar is None and spec.kind == "json_schema":
-                grammar, checked_paths, narrowed = _llguidance_json_grammar(spec, inline_refs)
+                grammar, checked_paths, narrowed = _llguidance_json_grammar(spec, inline_refs, mode)
             grammar = grammar or _llguidance_grammar(spec, special)
         except ValueError as e:
             return None, str(e)
-        m = llg.LLMatcher(tok, grammar, log_level=0)
+        m = llg.LLMatcher(tok, grammar, log_level=0, limits=llg.LLParserLimits(**LLG_LIMITS))
         if not m.is_error():
             m.compute_bitmask()
         return (None, m.get_error()) if m.is_error() else (m, "")
 
     retry = grammar is None and spec.kind == "json_schema"
-    m, error = build(False)
+    m, error = build(inline := False)
     if m is None and retry and _CIRCULAR in error:   # once more with those references inlined
         grammar = None
-        m, error = build(True)
+        m, error = build(inline := True)
+    for mode in ("partial", "required"):   # oneOf negations narrowed (replicas/schema_oneof.py, "Narrowing")
+        if m is None and retry and (_ONE_OF in error or any(w in error for w in _TOO_LARGE)):
+            grammar = None
+            m, error = build(inline, mode)
     if m is None:
         raise GrammarCompileError(_llguidance_refusal(spec, error))
     return LLGuidanceGrammar(grammar, m, tok, checked_paths, narrowed)
 
 
+# llguidance's parser limits: its default of 2,000 Earley items in a row stopped JsonSchemaStore
+# #447 mid-output ("ParserTooComplex": 2,369 items where a oneOf rewritten as anyOf branches is
+# predicted, which the compile-time first mask does not reach); the work per step stays bounded
+# by `step_max_items` (50,000, llguidance's default).
+LLG_LIMITS = {"max_items_in_row": 10_000}
 _CIRCULAR = "circular references with sibling keys"   # llguidance's words (replicas/schema_refs.py)
+# llguidance's words where its intersections multiplied out past its bounds (the second, a panic
+# it reports: more grammar symbols than its 16-bit ids hold; Github_ultra #18 rewritten "partial")
+_TOO_LARGE = ("schema too large", "grammar.symbols.len() < u16::MAX")
+_ONE_OF = "oneOf constraints are not supported"   # llguidance's words for a oneOf it cannot prove disjoint
 
 
 def _compile_worker(info_json: str, llg_args: tuple, conn) -> None:

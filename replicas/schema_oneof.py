@@ -22,6 +22,17 @@ positions (an array whose first failing item comes later is not produced). "A pr
 ``properties`` fails ``additionalProperties: S``" needs "some other name" where the context's
 objects are open: it is written for the names the context itself declares or requires (an object
 whose only extra property has another name is not produced); with no such name it is refused.
+Two more, each only where the caller asks (:func:`rewrite_one_of`'s ``mode``; the compiler asks
+for them in turn where llguidance refused the exact rewrite): ``"partial"`` writes each keyword's
+negation that can be written and leaves out those that cannot (a ``pattern``, a ``format``, a
+nested ``oneOf``, ...): "fails B" becomes "fails B by one of the keywords that can be negated" (an
+instance failing B only by a keyword left out is not produced; where nothing is left the
+``oneOf`` is refused, not a branch dropped). ``"required"`` writes "fails B" as "lacks a name B
+requires" (``properties: {name: false}``, for each name B requires and the branch does not)
+wherever B requires one, the smallest rewrite, for a ``oneOf`` whose exact negations multiplied
+out past llguidance's bound ("schema too large"): an object with every such name, B failed by
+another keyword, is not produced. Each is sound for the reason the others are: a negation is
+only ever used positively (no ``not`` is written), so leaving alternatives out accepts less.
 
 Reasoning is on "facets": a schema node is the conjunction of its keywords and of the nodes its
 local ``$ref`` points to (llguidance intersects a ``$ref`` with its siblings, as Draft 2020-12
@@ -354,6 +365,7 @@ class _Inexpressible(Exception):
 
 class _Narrowing(threading.local):
     sink: list | None = None   # where :func:`_narrow` records; None: narrowing not allowed
+    mode = "exact"             # how a member's negation is narrowed (:func:`rewrite_one_of`)
 
 
 _narrowing = _Narrowing()
@@ -405,10 +417,25 @@ def negate(b: list, ctx: list, root: Any, depth: int = 0) -> list:
         if f is False:
             return [True]
         for k, v in f.items():
-            out += _negate_keyword(k, v, f, ci, ctx, root, depth)
+            out += _negate_keyword_or_drop(k, v, f, ci, ctx, root, depth)
             if len(out) > MAX_ALTERNATIVES:
                 raise _Inexpressible("too many alternatives")
     return out
+
+
+def _negate_keyword_or_drop(k: str, v: Any, f: dict, ci: Info, ctx: list, root: Any, depth: int) -> list:
+    """:func:`_negate_keyword`; in mode "partial", ``[]`` (narrowed) where it cannot be written:
+    the instances that fail the facet only by that keyword are left out."""
+    if _narrowing.mode != "partial" or _narrowing.sink is None:
+        return _negate_keyword(k, v, f, ci, ctx, root, depth)
+    mark = len(_narrowing.sink)
+    try:
+        return _negate_keyword(k, v, f, ci, ctx, root, depth)
+    except _Inexpressible as e:
+        del _narrowing.sink[mark:]   # (narrowed inside it, but left out whole)
+        why = f" ({e})" if str(e) != k else ""
+        _narrow(f"{k}: an instance that fails another member only by a `{k}`{why} is not produced")
+        return []
 
 
 def _unique(schemas: list) -> list:
@@ -905,19 +932,58 @@ def _negate_apart(b: list, ctx: list, root: Any, apart: set, kinds: set) -> list
     return [typed[0], *negate(b, ctx + [typed[1]], root)]
 
 
-def rewrite_one_of(node: dict, root: Any, narrowed: list | None = None) -> bool:
+def _negate_member(b: list, ctx: list, root: Any, apart: set, kinds: set) -> list:
+    """:func:`_negate_apart`, narrowed as :attr:`_Narrowing.mode` says (module doc, "Narrowing").
+    Raises :class:`_Inexpressible` where a narrowed negation would leave nothing (the branch
+    would be dropped whole)."""
+    if _narrowing.sink is None or _narrowing.mode == "exact":
+        return _unique(_negate_apart(b, ctx, root, apart, kinds))
+    if _narrowing.mode == "required":
+        try:
+            return _negate_by_required(b, ctx, root, apart, kinds)
+        except _Inexpressible:
+            pass
+    mark = len(_narrowing.sink)
+    alts = _unique(_negate_apart(b, ctx, root, apart, kinds))
+    if not alts and len(_narrowing.sink) > mark:
+        raise _Inexpressible("every way to fail another member left out")
+    return alts
+
+
+def _negate_by_required(b: list, ctx: list, root: Any, apart: set, kinds: set) -> list:
+    """Narrowing: instances of ``ctx`` that fail ``b`` written as the kinds ``apart`` and the
+    objects that lack a name ``b`` requires and ``ctx`` does not (a subset of those that fail:
+    an object with every such name, one of them invalid, is left out)."""
+    ib, ci = _info(b, root), _info(ctx, root)
+    if ib is None or ci is None or "object" not in kinds:
+        raise _Inexpressible("a member without required names")
+    names = sorted(r for r in ib.required if r not in ci.required)
+    if not names:
+        raise _Inexpressible("a member without required names")
+    _narrow(f"required: an object fails another member only where it lacks a name that member requires "
+            f"({', '.join(names)})")
+    try:
+        typed = [_type_schema(apart)] if apart else []
+    except _Inexpressible:
+        typed = []
+    return typed + [{"type": "object", "properties": {r: False}} for r in names]
+
+
+def rewrite_one_of(node: dict, root: Any, narrowed: list | None = None, mode: str = "exact") -> bool:
     """Replace ``node``'s ``oneOf`` by an exact ``anyOf`` (module doc), in place; False (node
     unchanged) where a member's negation cannot be written exactly. With a list ``narrowed``,
     narrowing is allowed (module doc) and what was narrowed is appended to it (one line each,
-    without repeats)."""
+    without repeats); ``mode`` ("exact", "partial" or "required") says how far a member's negation
+    may be narrowed beyond that (module doc, "Narrowing")."""
     _narrowing.sink = [] if narrowed is not None else None
+    _narrowing.mode = mode
     try:
         done = _rewrite_one_of(node, root)
         if done and narrowed is not None:
             narrowed += [w for w in dict.fromkeys(_narrowing.sink) if w not in narrowed]
         return done
     finally:
-        _narrowing.sink = None
+        _narrowing.sink, _narrowing.mode = None, "exact"
 
 
 def _rewrite_one_of(node: dict, root: Any) -> bool:
@@ -942,7 +1008,7 @@ def _rewrite_one_of(node: dict, root: Any) -> bool:
                 apart = disjoint_kinds(ctx, base + fs[j], root) & kinds
                 if apart >= kinds:
                     continue
-                alts = _unique(_negate_apart(fs[j], ctx, root, apart, kinds))
+                alts = _negate_member(fs[j], ctx, root, apart, kinds)
                 if not alts:
                     negs = None   # m implies members[j]: no instance matches m alone
                     break

@@ -134,7 +134,7 @@ def test_overlapping_one_of_is_served_exactly(engine, idiom, schema, valid, inva
 
 
 @pytest.mark.parametrize("schema,needle", [
-    ({"oneOf": [{"type": "number"}, {"type": "integer", "minimum": 3}]}, "oneOf with members that may overlap at $"),
+    ({"type": "string", "oneOf": [{"format": "uuid"}, {"format": "uri"}]}, "oneOf with members that may overlap at $"),
     ({"type": "object", "properties": {"p": {"oneOf": [{"type": "string", "pattern": "^(?=a)"},
                                                        {"type": "string", "pattern": "b$"}]}}},
      "oneOf with members that may overlap at $.properties.p"),
@@ -203,6 +203,15 @@ NARROWED = [
      # helper picks keys greedily, and an item that must fail at `s` is written with `s` first)
      [{"e": [{"n": 1, "s": False}]}, {"e": [{"n": 1, "s": True}, {"n": 1, "s": False, "z": 0}]}, {"e": []}],
      {"e": [{"n": 1, "s": True}] * 8 + [{"n": 1}]}, "items"),
+    ("a non-integer number (no type names it): the members' overlap negated by the bound alone",
+     {"oneOf": [{"type": "number"}, {"type": "integer", "minimum": 3}]},
+     [2.5, 1, -7], [3, 4, "x"], 3.5, "type"),
+    ("another member failed by a format (ipv4 has no negation): only where a name it requires is missing",
+     {"type": "object", "oneOf": [{"properties": {"host": {"type": "string", "format": "ipv4"}}, "required": ["host"]},
+                                  {"properties": {"name": {"type": "string", "pattern": "^[a-z]+$"}},
+                                   "required": ["name"]}]},
+     [{"host": "10.0.0.1"}, {"name": "abc"}, {"host": "10.0.0.1", "name": "ABC"}],   # (the pattern is negated exactly)
+     [{}, {"host": "10.0.0.1", "name": "abc"}, {"host": "x"}], {"name": "abc", "host": "x"}, "format"),
 ]
 
 
@@ -213,8 +222,9 @@ def test_narrowed_negation_is_sound_and_says_what_it_cannot_produce(engine, capl
     assert all(v.is_valid(x) for x in [*valid, unproduced]) and not any(v.is_valid(x) for x in invalid)
     with caplog.at_level(logging.INFO, logger="replicas.grammar"):
         compiled = engine.grammar.compile(GrammarSpec("json_schema", schema))
-    assert len(compiled.narrowed) == 1 and compiled.narrowed[0].startswith(f"$: {what}:"), compiled.narrowed
-    assert any("served narrowed" in r.getMessage() and compiled.narrowed[0] in r.getMessage() for r in caplog.records)
+    assert compiled.narrowed and all(n.startswith(f"$: {what}:") for n in compiled.narrowed), compiled.narrowed
+    assert any("served narrowed" in r.getMessage() and all(n in r.getMessage() for n in compiled.narrowed)
+               for r in caplog.records)
     g = _grammar(engine, schema)
     for x in valid:
         assert g.guided(x) is not None, x
@@ -235,11 +245,55 @@ def test_narrowing_only_where_the_caller_allows_it():
     assert rewrite_one_of(node, node, narrowed) and "anyOf" in node and narrowed[0].startswith("items:")
 
 
+def test_partial_and_required_narrowing_only_where_the_caller_asks():
+    from replicas.schema_oneof import rewrite_one_of
+    schema = NARROWED[-1][1]
+    node = json.loads(json.dumps(schema))
+    assert not rewrite_one_of(node, node, []) and node == schema    # the format cannot be negated exactly
+    narrowed: list = []
+    assert rewrite_one_of(node, node, narrowed, "partial") and narrowed == [
+        "format: an instance that fails another member only by a `format` is not produced"]
+    assert {"type": "object", "properties": {"host": False}} in node["anyOf"][1]["allOf"][1]["anyOf"]
+    exact = {"type": "object",
+             "oneOf": [{"required": ["a"]}, {"required": ["b"], "properties": {"b": {"type": "string"}}}]}
+    node, narrowed = json.loads(json.dumps(exact)), []
+    assert rewrite_one_of(node, node, narrowed, "partial") and narrowed == []   # exact where it can be
+    node, narrowed = json.loads(json.dumps(exact)), []
+    assert rewrite_one_of(node, node, narrowed, "required") and narrowed == [   # (a retry: rewrite too large)
+        "required: an object fails another member only where it lacks a name that member requires (b)",
+        "required: an object fails another member only where it lacks a name that member requires (a)"]
+    node = {"type": "string", "oneOf": [{"format": "uuid"}, {"format": "uri"}]}
+    assert not rewrite_one_of(node, node, [], "partial")   # nothing left of a negation: refused, no branch dropped
+
+
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "jsonschemabench" / "schemas"
 # JSONSchemaBench schemas llguidance refused for an overlapping oneOf before the rewrite (one per
 # idiom: required names, closed objects, tags beside a required name, $ref members, nullable).
 NEWLY_SERVED = [("Glaiveai2K", 282), ("Github_medium", 234), ("Github_hard", 73), ("Github_hard", 1031),
                 ("Github_medium", 1034), ("JsonSchemaStore", 316), ("Snowplow", 264), ("Github_hard", 834)]
+
+
+# Refused for an overlapping oneOf before "partial" and "required" narrowing: Github_hard #876
+# after a rewrite llguidance found too large ("required"), the others where a member's negation
+# could not be written whole (a format, a nested oneOf, a non-integer number: "partial").
+NARROWED_SERVED = [("Github_hard", 876, "required"), ("Snowplow", 290, "type"), ("Github_medium", 249, "anyOf"),
+                   ("Github_hard", 601, "format"), ("Github_hard", 1206, "oneOf"), ("Github_hard", 1193, "pattern")]
+
+
+@pytest.mark.skipif(not DATA.is_dir(), reason="JSONSchemaBench data not present")
+def test_schemas_served_narrowed_write_only_valid_instances(engine):
+    rng = random.Random(0)
+    for subset, i, what in NARROWED_SERVED:
+        with gzip.open(DATA / f"{subset}.jsonl.gz", "rt") as f:
+            row = [json.loads(line) for line in f][i]
+        schema = row.get("json_schema", row.get("schema", row))
+        schema = json.loads(schema) if isinstance(schema, str) else schema
+        compiled = engine.grammar.compile(GrammarSpec("json_schema", schema))
+        assert any(f": {what}: " in n for n in compiled.narrowed), (subset, i, compiled.narrowed)
+        g, v = _grammar(engine, schema), _validator(schema)
+        for _ in range(4):
+            text = g.sample(rng)
+            assert text is None or v.is_valid(json.loads(text)), (subset, i, text)
 
 
 @pytest.mark.skipif(not DATA.is_dir(), reason="JSONSchemaBench data not present")
