@@ -520,7 +520,7 @@ def ecma_whitespace(pattern: str) -> str:
 
 
 def _llguidance_schema(schema: Any, strict: bool, inline_refs: bool = False, narrowed: list | None = None,
-                       mode: str = "exact") -> Any:
+                       mode: str = "exact", split_patterns: bool = False) -> Any:
     """A copy of ``schema`` for llguidance: each ``oneOf`` as an ``anyOf`` where its
     members' overlaps can be negated in keywords llguidance enforces
     (:func:`replicas.schema_oneof.rewrite_one_of`; exact, or narrowed where the module doc says:
@@ -534,7 +534,9 @@ def _llguidance_schema(schema: Any, strict: bool, inline_refs: bool = False, nar
     are removed first (they are ignored there) and such references are inlined last
     (:mod:`replicas.schema_refs`). ``mode``: how far a ``oneOf`` 's negations may be narrowed
     (:func:`replicas.schema_oneof.rewrite_one_of`; retries of :func:`_llguidance_compile` where
-    llguidance refused a ``oneOf`` left as it is, or a rewrite too large)."""
+    llguidance refused a ``oneOf`` left as it is, or a rewrite too large). With ``split_patterns``
+    (a retry where llguidance refused overlapping ``patternProperties``), those are rewritten as
+    disjoint ones (:func:`_disjoint_pattern_properties`)."""
     import copy
 
     from replicas.schema_refs import drop_legacy_ref_siblings, inline_intersected_refs
@@ -568,6 +570,12 @@ def _llguidance_schema(schema: Any, strict: bool, inline_refs: bool = False, nar
         rewrite_one_of(node, schema, here, mode)   # anyOf where it can be written (else llguidance decides)
         if narrowed is not None:
             narrowed += [f"{where}: {w}" for w in here]
+    for node, where in _walk(schema) if split_patterns else ():
+        if isinstance(node.get("patternProperties"), dict) and len(node["patternProperties"]) > 1:
+            apart = _disjoint_pattern_properties(node)
+            if apart and narrowed is not None:
+                narrowed.append(f"{where}: patternProperties: a name its patterns match in one regex dialect and "
+                                f"not another ({apart[:60]}) is not produced")
     from replicas.regex_complement import explicit_negated_classes
     for node, _ in _walk(schema):   # last: the rewrites above write patterns too
         if isinstance(node.get("pattern"), str):
@@ -584,6 +592,62 @@ def _llguidance_schema(schema: Any, strict: bool, inline_refs: bool = False, nar
     if inline_refs:
         inline_intersected_refs(schema)
     return schema
+
+
+def _disjoint_pattern_properties(node: dict) -> str | None:
+    """``node``'s ``patternProperties`` rewritten, in place, where two may match one name
+    (llguidance refuses overlapping patterns), so that each name gets what JSON Schema asks of it
+    (the ``allOf`` of the schemas of every pattern that matches it, beside its ``properties``
+    entry). A pattern that matches every name (``.*``) becomes ``additionalProperties`` (which it
+    leaves unused), its schema added to every other pattern's and to every declared property's
+    (with those of the patterns that match the name); otherwise the patterns are split into
+    disjoint regions (:func:`replicas.regex_complement.disjoint_regions`), a name the patterns'
+    dialects (Python's, ECMA-262's) read differently not allowed (``false``). Returns the regex of
+    those names (None where there is none, or the patterns are left as they are: disjoint
+    already, or past the bounds)."""
+    from replicas.regex_complement import (Unsupported, disjoint_regions, matches_everything, reads_alike,
+                                          search_in_every_reading)
+    patterns = list(node["patternProperties"])
+    schemas = [node["patternProperties"][p] for p in patterns]
+    every = [i for i, p in enumerate(patterns) if matches_everything(p)]
+    others = [i for i in range(len(patterns)) if i not in every]
+    if every and len(others) <= 1 and all(reads_alike(patterns[i]) for i in others):
+        regions, apart = [(patterns[i], (0,)) for i in others], None   # (the other as written)
+    else:
+        try:
+            regions, apart = disjoint_regions(tuple(patterns[i] for i in others)) if others else ([], None)
+        except (Unsupported, ValueError):
+            return None
+    if not every and all(len(group) == 1 for _, group in regions):
+        return None   # (disjoint already: left to llguidance as they are)
+    if every:
+        props = node.get("properties", {})
+        if not isinstance(props, dict):
+            return None
+        every_schema = schemas[every[0]] if len(every) == 1 else {"allOf": [schemas[i] for i in every]}
+        folded = {}
+        for name, schema in props.items():
+            found = [search_in_every_reading(patterns[i], name) for i in others]
+            if None in found:
+                return None
+            folded[name] = {"allOf": [schema, every_schema] + [schemas[i] for i, f in zip(others, found) if f]}
+        if apart is None and all(len(g) == 1 for _, g in regions):   # the others as they are written
+            out = {patterns[i]: {"allOf": [schemas[i], every_schema]} for i in others}
+        else:   # (a name read differently: every other pattern's schema, stricter than JSON Schema asks)
+            out = {rx: {"allOf": [schemas[others[i]] for i in g] + [every_schema]} for rx, g in regions}
+            if apart is not None:
+                out[apart] = {"allOf": [schemas[i] for i in others] + [every_schema]}
+        node["patternProperties"] = out
+        node["additionalProperties"] = every_schema
+        if props:
+            node["properties"] = folded
+        return None
+    out = {rx: schemas[others[g[0]]] if len(g) == 1 else {"allOf": [schemas[others[i]] for i in g]}
+           for rx, g in regions}
+    if apart is not None:
+        out[apart] = False
+    node["patternProperties"] = out
+    return apart
 
 
 def _class_literals(pattern: str) -> str:
@@ -814,16 +878,16 @@ def _llguidance_grammar(spec: GrammarSpec, special: frozenset = frozenset()) -> 
     raise GrammarCompileError(f"no llguidance route for a {spec.kind} grammar")  # backend_for never asks
 
 
-def _llguidance_json_grammar(spec: GrammarSpec, inline_refs: bool = False,
-                            mode: str = "exact") -> tuple[str, frozenset, tuple]:
+def _llguidance_json_grammar(spec: GrammarSpec, inline_refs: bool = False, mode: str = "exact",
+                            split_patterns: bool = False) -> tuple[str, frozenset, tuple]:
     """(llguidance grammar text, the paths of the unique arrays left to the
     matcher: :func:`replicas.decode_checks.remove_checked`, what was narrowed: see
-    :func:`_llguidance_schema`) for a json_schema spec; ``inline_refs``: see :func:`_llguidance_schema`."""
+    :func:`_llguidance_schema`) for a json_schema spec; the options: see :func:`_llguidance_schema`."""
     import llguidance as llg
 
     from replicas.decode_checks import remove_checked
     narrowed: list = []
-    schema = _llguidance_schema(spec.value, spec.strict, inline_refs, narrowed, mode)
+    schema = _llguidance_schema(spec.value, spec.strict, inline_refs, narrowed, mode, split_patterns)
     text = json.dumps(schema)
     checked = '"uniqueItems"' in text or '"minProperties"' in text or '"maxProperties"' in text
     paths = (remove_checked(schema) or frozenset()) if checked else frozenset()
@@ -1064,11 +1128,11 @@ def _llguidance_compile(tok, special: frozenset, spec: GrammarSpec, grammar: str
     """
     import llguidance as llg
 
-    def build(inline_refs: bool, mode: str = "exact"):
+    def build(**options):
         nonlocal grammar, checked_paths, narrowed
         try:
             if grammar is None and spec.kind == "json_schema":
-                grammar, checked_paths, narrowed = _llguidance_json_grammar(spec, inline_refs, mode)
+                grammar, checked_paths, narrowed = _llguidance_json_grammar(spec, **options)
             grammar = grammar or _llguidance_grammar(spec, special)
         except ValueError as e:
             return None, str(e)
@@ -1077,15 +1141,24 @@ def _llguidance_compile(tok, special: frozenset, spec: GrammarSpec, grammar: str
             m.compute_bitmask()
         return (None, m.get_error()) if m.is_error() else (m, "")
 
+    # Where llguidance refuses a schema's rewrite, it is rewritten again with the option its
+    # message asks for, until none is left: recursive references it must intersect inlined,
+    # overlapping patternProperties made disjoint, oneOf negations narrowed further
+    # (replicas/schema_oneof.py, "Narrowing").
     retry = grammar is None and spec.kind == "json_schema"
-    m, error = build(inline := False)
-    if m is None and retry and _CIRCULAR in error:   # once more with those references inlined
+    options = {"inline_refs": False, "split_patterns": False, "mode": "exact"}
+    m, error = build(**options)
+    while m is None and retry:
+        if _CIRCULAR in error and not options["inline_refs"]:
+            options["inline_refs"] = True
+        elif _OVERLAPPING_PATTERNS in error and not options["split_patterns"]:
+            options["split_patterns"] = True
+        elif (_ONE_OF in error or any(w in error for w in _TOO_LARGE)) and options["mode"] != "required":
+            options["mode"] = "partial" if options["mode"] == "exact" else "required"
+        else:
+            break
         grammar = None
-        m, error = build(inline := True)
-    for mode in ("partial", "required"):   # oneOf negations narrowed (replicas/schema_oneof.py, "Narrowing")
-        if m is None and retry and (_ONE_OF in error or any(w in error for w in _TOO_LARGE)):
-            grammar = None
-            m, error = build(inline, mode)
+        m, error = build(**options)
     if m is None:
         raise GrammarCompileError(_llguidance_refusal(spec, error))
     return LLGuidanceGrammar(grammar, m, tok, checked_paths, narrowed)
@@ -1100,6 +1173,7 @@ _CIRCULAR = "circular references with sibling keys"   # llguidance's words (repl
 # llguidance's words where its intersections multiplied out past its bounds (the second, a panic
 # it reports: more grammar symbols than its 16-bit ids hold; Github_ultra #18 rewritten "partial")
 _TOO_LARGE = ("schema too large", "grammar.symbols.len() < u16::MAX")
+_OVERLAPPING_PATTERNS = "patternProperty regexes"   # llguidance's words ("are not disjoint", "can't determine if")
 _ONE_OF = "oneOf constraints are not supported"   # llguidance's words for a oneOf it cannot prove disjoint
 
 

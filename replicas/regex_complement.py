@@ -22,6 +22,9 @@ groups, and past the bounds on the work: :data:`MAX_POSITIONS` positions, a DFA 
 from __future__ import annotations
 
 import functools
+import itertools
+import math
+import time
 import re
 
 MAX_POSITIONS = 100   # characters of the pattern with its bounded repeats written out
@@ -178,6 +181,12 @@ def _alternatives(items) -> list[list]:
 def widest_language(pattern: str):
     """A greenery ``Pattern`` of every whole string in which ``pattern`` finds a match under any
     reading (module doc). Raises :class:`Unsupported`."""
+    return _language(pattern, narrow=False)
+
+
+def _language(pattern: str, narrow: bool):
+    """:func:`widest_language`; with ``narrow``, the strings in which it finds a match under every
+    reading (each class in its narrowest reading, ``$`` without Python's final newline)."""
     try:
         parsed = _p.parse(pattern)
     except re.error as e:
@@ -192,11 +201,11 @@ def widest_language(pattern: str):
         end = None
         if alt and alt[-1][0] is _c.AT and alt[-1][1] in (_c.AT_END, _c.AT_END_STRING):
             end, alt = alt[-1][1], alt[:-1]
-        body = _seq(alt, False)
+        body = _seq(alt, False, narrow=narrow)
         mults = ([] if start else [anything]) + list(body.mults)
         if end is None:
             mults.append(anything)
-        elif end is _c.AT_END:   # Python's $ matches before a final newline too
+        elif end is _c.AT_END and not narrow:   # Python's $ matches before a final newline too
             mults.append(_mult(_charclass([(10, 10)]), 0, 1))
         concs.append(_conc(mults))
     return _pattern(concs)
@@ -768,6 +777,95 @@ def _fsm_regex(fsm) -> str:
             if rs := _ranges_of(cls):
                 out.setdefault(j, []).extend(rs)
     return _anchored_regex(fsm.initial, set(fsm.finals), {i: {j: _merge(rs) for j, rs in o.items()} for i, o in edges.items()})
+
+
+MAX_REGIONS_PATTERNS = 6   # patterns split into disjoint regions (2^n - 1 regions at most)
+REGIONS_SECONDS = 2.0      # work on them (a compile's bound is 10 s)
+MAX_REGION_STATES = 1_000  # the product of the patterns' DFA states
+MAX_REGION_CHARS = 1_000   # a region's regex (llguidance cannot tell longer ones disjoint, or takes seconds)
+
+
+def disjoint_regions(patterns: tuple[str, ...]) -> tuple[list[tuple[str, tuple[int, ...]]], str | None]:
+    """Property-name patterns that may overlap, split into disjoint regions: ``([(regex, T),
+    ...], apart)``, for each non-empty set ``T`` of their indices an anchored regex of exactly the
+    names every pattern of ``T`` finds a match in and no other does, in every reading (empty
+    regions left out), and ``apart``: an anchored regex of the names some pattern matches in one
+    reading and not another (``"MD5\\n"`` for ``^MD5$`` in Python only; a Unicode letter for
+    ``\\w``), or None where there is none. The regions and ``apart`` are pairwise disjoint and
+    cover every name a pattern matches in some reading. Raises :class:`Unsupported` past the
+    bounds (:data:`MAX_REGIONS_PATTERNS` patterns, each as :func:`complement`,
+    :data:`REGIONS_SECONDS` of work, :data:`MAX_REGION_STATES`, a region's regex past
+    :data:`MAX_REGION_CHARS`)."""
+    if len(patterns) > MAX_REGIONS_PATTERNS:
+        raise Unsupported(f"{len(patterns)} patterns")
+    wide, narrow = [], []
+    for p in patterns:
+        wide.append(_language_fsm(p))
+        language = _language(p, narrow=True)
+        if _positions(language) > MAX_POSITIONS:
+            raise Unsupported(f"{_positions(language)} positions with the bounded repeats written out")
+        narrow.append(language.to_fsm().reduce())
+    if math.prod(len(w.states) for w in wide) > MAX_REGION_STATES:   # (greenery takes seconds past it)
+        raise Unsupported("regions of too many DFA states")
+    apart = None
+    for w, n in zip(wide, narrow):
+        d = w & n.everythingbut()
+        apart = d if apart is None else apart | d
+    out, deadline = [], time.monotonic() + REGIONS_SECONDS
+    for size in range(len(patterns), 0, -1):
+        for group in itertools.combinations(range(len(patterns)), size):
+            if time.monotonic() > deadline:   # (greenery's products of unanchored patterns: seconds each)
+                raise Unsupported(f"regions past {REGIONS_SECONDS} s")
+            region = apart.everythingbut()
+            for i in range(len(patterns)):
+                region = region & (narrow[i] if i in group else wide[i].everythingbut())
+            if not region.reduce().empty():
+                out.append((_fsm_regex(region), group))
+    out.append((None if apart.reduce().empty() else _fsm_regex(apart), ()))
+    if any(rx is not None and len(rx) > MAX_REGION_CHARS for rx, _ in out):
+        raise Unsupported("a region's regex past MAX_REGION_CHARS")
+    return out[:-1], out[-1][0]
+
+
+def matches_everything(pattern: str) -> bool:
+    """Whether ``pattern`` finds a match in every string, in every reading (``.*``, ``""``,
+    ``^``); False where it cannot be read here."""
+    try:
+        language = _language(pattern, narrow=True)
+        if _positions(language) > MAX_POSITIONS:
+            return False
+        fsm = language.to_fsm().reduce()
+    except Unsupported:
+        return False
+    if fsm.initial not in fsm.finals:   # (and a loop on it over every code point: every string stays there)
+        return False
+    ranges = [r for cls, j in fsm.map.get(fsm.initial, {}).items() if j == fsm.initial for r in _ranges_of(cls)]
+    return _covers(ranges, 0, _TOP)
+
+
+def reads_alike(pattern: str) -> bool:
+    """Whether ``pattern`` finds a match in the same strings in every reading (False where it
+    cannot be read here)."""
+    try:
+        language = _language(pattern, narrow=True)
+        if _positions(language) > MAX_POSITIONS:
+            return False
+        return _language_fsm(pattern).equivalent(language.to_fsm())
+    except Unsupported:
+        return False
+
+
+def search_in_every_reading(pattern: str, name: str) -> bool | None:
+    """Whether ``pattern`` finds a match in ``name``; None where its readings disagree on it (or
+    it cannot be read here)."""
+    try:
+        wide = _language_fsm(pattern).accepts(name)
+        language = _language(pattern, narrow=True)
+        if _positions(language) > MAX_POSITIONS:
+            return None
+        return wide if language.to_fsm().accepts(name) == wide else None
+    except Unsupported:
+        return None
 
 
 def lookaheads(pattern: str) -> bool:

@@ -66,6 +66,7 @@ MAX_ALTERNATIVES = 64   # per negation (a product of anyOf negations past it is 
 MAX_POSITIONS = 16   # array lengths up to which "an item fails S" is written position by position
 NARROW_POSITIONS = 8   # positions "an item fails S" is written for where the length is unbounded (narrowing)
 MAX_REWRITE_CHARS = 100_000   # JSON characters of one oneOf's rewritten branches
+MAX_VALUES = 256   # values of a finite context (enum / const) negated by evaluating each
 
 
 def _kind(v: Any) -> str:
@@ -410,6 +411,10 @@ def negate(b: list, ctx: list, root: Any, depth: int = 0) -> list:
         raise _Inexpressible("an unresolved $ref")
     if ci.empty():
         return []
+    if ci.values is not None and len(ci.values) <= MAX_VALUES:
+        failing = _failing_values(b, ci, root)
+        if failing is not None:
+            return [{"enum": failing}] if failing else []
     out: list = []
     for f in b:
         if f is True or _among(f, ctx):
@@ -436,6 +441,34 @@ def _negate_keyword_or_drop(k: str, v: Any, f: dict, ci: Info, ctx: list, root: 
         why = f" ({e})" if str(e) != k else ""
         _narrow(f"{k}: an instance that fails another member only by a `{k}`{why} is not produced")
         return []
+
+
+def _failing_values(b: list, ci: Info, root: Any) -> list | None:
+    """The values of the context (``ci.values``: finite) that fail the facet list ``b``, as
+    ``jsonschema`` (with the format checker of ``root`` 's draft) decides; None where it cannot
+    (an unresolvable reference, a keyword it raises on)."""
+    import jsonschema
+    if any(r in json.dumps(b) for r in ('"$ref"', '"$dynamicRef"', '"$recursiveRef"')):
+        return None   # (resolved against the root's base here, not necessarily theirs)
+    try:
+        v = _format_validator(root)
+        return [x for x in ci.values.values() if not all(v.evolve(schema=f).is_valid(x) for f in b)]
+    except (jsonschema.exceptions.SchemaError, jsonschema.exceptions._WrappedReferencingError,
+            RecursionError, ValueError, TypeError, KeyError):
+        return None
+
+
+def _format_validator(root: Any):
+    """A ``jsonschema`` validator of ``root`` 's draft (2020-12 without ``$schema``), formats
+    checked as the server enforces them."""
+    import warnings
+
+    import jsonschema
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cls = jsonschema.validators.validator_for(root if isinstance(root, (dict, bool)) else {},
+                                                  default=jsonschema.Draft202012Validator)
+    return cls(root if isinstance(root, (dict, bool)) else {}, format_checker=cls.FORMAT_CHECKER)
 
 
 def _unique(schemas: list) -> list:

@@ -159,6 +159,13 @@ IDIOMS = [
     ("propertyNames type string only",
      {"type": "object", "propertyNames": {"type": "string"}, "additionalProperties": INT},
      [{"a": 1}], [{"a": "s"}]),
+    ("overlapping patternProperties, one matching every name (Github_hard #300: .* beside another)",
+     {"type": "object", "properties": {"xa": {"maximum": 10}},
+      "patternProperties": {".*": INT, "^x": {"minimum": 3}}},
+     [{"a": 1, "xy": 5}, {"xa": 5}, {}], [{"xy": 1}, {"a": "s"}, {"xa": 2}, {"xa": 11}, {"xa": 5.5}]),
+    ("overlapping patternProperties split into disjoint regions",
+     {"type": "object", "patternProperties": {"^a": INT, "b$": {"minimum": 0}}, "additionalProperties": False},
+     [{"ab": 1, "a": -1, "b": 0.5}], [{"ab": -1}, {"ab": 0.5}, {"c": 1}]),
 ]
 
 
