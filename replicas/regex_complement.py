@@ -843,6 +843,16 @@ def matches_everything(pattern: str) -> bool:
     return _covers(ranges, 0, _TOP)
 
 
+def alphabet(pattern: str) -> list[tuple[int, int]]:
+    """The code point ranges the text ``pattern`` matches may hold (widest reading; a superset).
+    Raises :class:`Unsupported`."""
+    try:
+        parsed = _p.parse(pattern)
+    except re.error as e:
+        raise Unsupported(f"not a regex: {e}") from None
+    return _alphabet(parsed.data if hasattr(parsed, "data") else parsed)
+
+
 def reads_alike(pattern: str) -> bool:
     """Whether ``pattern`` finds a match in the same strings in every reading (False where it
     cannot be read here)."""

@@ -522,6 +522,10 @@ def _lengths_within(ci: Info, k: str, v: int) -> bool:
         return False
     from replicas.regex_complement import length_bounds
     for f in ci.facets:
+        for fmt, lo, hi in (("ipv4", 7, 15), ("ipv6", 2, 45)):   # ("0.0.0.0", "::" .. 45 characters)
+            if isinstance(f, dict) and f.get("format") == fmt and _has_format(ci, fmt, ci.root):
+                if (k == "minLength" and v <= lo) or (k == "maxLength" and v >= hi):
+                    return True
         if isinstance(f, dict) and isinstance(f.get("pattern"), str):
             lo, hi = length_bounds(f["pattern"])
             if (k == "minLength" and lo >= v) or (k == "maxLength" and hi is not None and hi <= v):
@@ -592,11 +596,17 @@ def _negate_keyword(k: str, v: Any, f: dict, ci: Info, ctx: list, root: Any, dep
         return []   # (applies only beside a tuple of items; ignored otherwise, and in 2020-12)
     if k == "not":
         return [v]   # an instance fails `not: S` exactly when it satisfies S
+    if k == "format":
+        return _negate_format(v, ci, root)
     if k == "pattern":
         if not isinstance(v, str):
             raise _Inexpressible(k)
         if "string" not in ci.kinds:
             return []
+        if _has_format(ci, "ipv6", root) and not _may_contain(v, ":"):
+            return [{"type": "string"}]   # every IPv6 address has a ":", which no string of v has
+        if _has_format(ci, "ipv4", root) and v == _hostname_pattern():
+            return []   # every IPv4 address is a hostname
         try:
             return [{"type": "string", "pattern": c} for c in _counted_class_complement(v)]
         except _Inexpressible:
@@ -712,6 +722,53 @@ def _negate_keyword(k: str, v: Any, f: dict, ci: Info, ctx: list, root: Any, dep
             raise _Inexpressible("too many alternatives")
         return [c[0] if len(c) == 1 else {"allOf": list(c)} for c in itertools.product(*each)]
     raise _Inexpressible(k)
+
+
+# IPv4 addresses as `jsonschema` checks them (Python's ipaddress: four decimal octets, ASCII
+# digits, no leading zero)
+_OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9][0-9]|[0-9])"
+IPV4_PATTERN = f"^{_OCTET}(?:\\.{_OCTET}){{3}}$"
+
+
+def _hostname_pattern() -> str:
+    from replicas.grammar import _FORMAT_PATTERNS
+    return _FORMAT_PATTERNS["hostname"]
+
+
+def _has_format(ci: Info, fmt: str, root: Any) -> bool:
+    """Whether every string of the context has ``format: fmt``, as `jsonschema` checks it in
+    ``root`` 's draft."""
+    from replicas.grammar import _draft_formats
+    return any(isinstance(f, dict) and f.get("format") == fmt for f in ci.facets) and fmt in _draft_formats(root)
+
+
+def _may_contain(pattern: str, char: str) -> bool:
+    """Whether a string ``pattern`` finds a match in may contain ``char`` (False only where the
+    pattern is anchored at both ends and its characters leave ``char`` out)."""
+    from replicas.regex_complement import Unsupported, _anchored, alphabet
+    try:
+        return not _anchored(pattern) or any(a <= ord(char) <= b for a, b in alphabet(pattern))
+    except (Unsupported, ValueError):
+        return True
+
+
+def _negate_format(v: Any, ci: Info, root: Any) -> list:
+    """``not {format: v}`` where it can be written exactly: ``ipv4`` as the complement of
+    :data:`IPV4_PATTERN`; ``ipv6`` where no string of the context can have a ``:`` (an IPv4
+    address, a pattern without one). Else :class:`_Inexpressible`."""
+    from replicas.grammar import _draft_formats
+    if "string" not in ci.kinds:
+        return []
+    if v not in _draft_formats(root):
+        return []   # an annotation in this draft: every string satisfies it
+    if v == "ipv6" and (_has_format(ci, "ipv4", root) or any(
+            isinstance(f, dict) and isinstance(f.get("pattern"), str) and not _may_contain(f["pattern"], ":")
+            for f in ci.facets)):
+        return [{"type": "string"}]
+    if v == "ipv4":
+        complement = _complement_pattern(IPV4_PATTERN)
+        return [{"type": "string", "pattern": complement}] if complement is not None else []
+    raise _Inexpressible("format")
 
 
 def _not_numbers(values: list, fractions: bool) -> list:

@@ -22,6 +22,10 @@ DEFS = {"base": {"type": "object", "properties": {"kind": {"type": "string"}, "n
 
 # (idiom, schema, valid instances, invalid instances, one that matches two members or None)
 IDIOMS = [
+    ("hostname, ipv4 or ipv6 (Github_medium #293 and 4 more): every IPv4 address is a hostname, so that "
+     "member never holds alone; ipv4 negated as the complement of its pattern, ipv6 apart by its ':'",
+     {"type": "string", "oneOf": [{"format": "hostname"}, {"format": "ipv4"}, {"format": "ipv6"}]},
+     ["example.com", "a.b", "::1", "2001:db8::1", "1.2.3"], ["not a host!", "a:b", "01.2.3.4:"], "10.0.0.1"),
     ("a format against an enum: the enum's values that fail it, found by evaluating them "
      "(JsonSchemaStore #487: a uri or \".\")",
      {"type": "string", "oneOf": [{"format": "uri"}, {"enum": [".", "https://x.org"]}]},
@@ -187,6 +191,7 @@ def test_unsatisfiable_one_of_is_refused_not_served(engine):
         engine.grammar.compile(GrammarSpec("json_schema", schema))
 
 
+U = "123e4567-e89b-12d3-a456-426614174000"
 # Narrowed negations (replicas/schema_oneof.py, "Narrowing"): (schema, valid instances served,
 # invalid instances, a valid instance the narrowed grammar cannot produce, what is narrowed).
 NARROWED = [
@@ -210,12 +215,12 @@ NARROWED = [
     ("a non-integer number (no type names it): the members' overlap negated by the bound alone",
      {"oneOf": [{"type": "number"}, {"type": "integer", "minimum": 3}]},
      [2.5, 1, -7], [3, 4, "x"], 3.5, "type"),
-    ("another member failed by a format (ipv4 has no negation): only where a name it requires is missing",
-     {"type": "object", "oneOf": [{"properties": {"host": {"type": "string", "format": "ipv4"}}, "required": ["host"]},
+    ("another member failed by a format (uuid has no negation): only where a name it requires is missing",
+     {"type": "object", "oneOf": [{"properties": {"host": {"type": "string", "format": "uuid"}}, "required": ["host"]},
                                   {"properties": {"name": {"type": "string", "pattern": "^[a-z]+$"}},
                                    "required": ["name"]}]},
-     [{"host": "10.0.0.1"}, {"name": "abc"}, {"host": "10.0.0.1", "name": "ABC"}],   # (the pattern is negated exactly)
-     [{}, {"host": "10.0.0.1", "name": "abc"}, {"host": "x"}], {"name": "abc", "host": "x"}, "format"),
+     [{"host": U}, {"name": "abc"}, {"host": U, "name": "ABC"}],   # (the pattern is negated exactly)
+     [{}, {"host": U, "name": "abc"}, {"host": "x"}], {"name": "abc", "host": "x"}, "format"),
 ]
 
 
