@@ -798,13 +798,7 @@ def disjoint_regions(patterns: tuple[str, ...]) -> tuple[list[tuple[str, tuple[i
     :data:`MAX_REGION_CHARS`)."""
     if len(patterns) > MAX_REGIONS_PATTERNS:
         raise Unsupported(f"{len(patterns)} patterns")
-    wide, narrow = [], []
-    for p in patterns:
-        wide.append(_language_fsm(p))
-        language = _language(p, narrow=True)
-        if _positions(language) > MAX_POSITIONS:
-            raise Unsupported(f"{_positions(language)} positions with the bounded repeats written out")
-        narrow.append(language.to_fsm().reduce())
+    wide, narrow = [_language_fsm(p) for p in patterns], [_narrow_fsm(p) for p in patterns]
     if math.prod(len(w.states) for w in wide) > MAX_REGION_STATES:   # (greenery takes seconds past it)
         raise Unsupported("regions of too many DFA states")
     apart = None
@@ -827,14 +821,21 @@ def disjoint_regions(patterns: tuple[str, ...]) -> tuple[list[tuple[str, tuple[i
     return out[:-1], out[-1][0]
 
 
+@functools.lru_cache(maxsize=1024)
+def _narrow_fsm(pattern: str):
+    """The minimal DFA of the strings ``pattern`` finds a match in under every reading (as
+    :func:`_language_fsm` for the widest). Raises :class:`Unsupported`."""
+    language = _language(pattern, narrow=True)
+    if _positions(language) > MAX_POSITIONS:
+        raise Unsupported(f"{_positions(language)} positions with the bounded repeats written out")
+    return language.to_fsm().reduce()
+
+
 def matches_everything(pattern: str) -> bool:
     """Whether ``pattern`` finds a match in every string, in every reading (``.*``, ``""``,
     ``^``); False where it cannot be read here."""
     try:
-        language = _language(pattern, narrow=True)
-        if _positions(language) > MAX_POSITIONS:
-            return False
-        fsm = language.to_fsm().reduce()
+        fsm = _narrow_fsm(pattern)
     except Unsupported:
         return False
     if fsm.initial not in fsm.finals:   # (and a loop on it over every code point: every string stays there)
@@ -857,10 +858,7 @@ def reads_alike(pattern: str) -> bool:
     """Whether ``pattern`` finds a match in the same strings in every reading (False where it
     cannot be read here)."""
     try:
-        language = _language(pattern, narrow=True)
-        if _positions(language) > MAX_POSITIONS:
-            return False
-        return _language_fsm(pattern).equivalent(language.to_fsm())
+        return _language_fsm(pattern).equivalent(_narrow_fsm(pattern))
     except Unsupported:
         return False
 
@@ -870,10 +868,7 @@ def search_in_every_reading(pattern: str, name: str) -> bool | None:
     it cannot be read here)."""
     try:
         wide = _language_fsm(pattern).accepts(name)
-        language = _language(pattern, narrow=True)
-        if _positions(language) > MAX_POSITIONS:
-            return None
-        return wide if language.to_fsm().accepts(name) == wide else None
+        return wide if _narrow_fsm(pattern).accepts(name) == wide else None
     except Unsupported:
         return None
 
