@@ -13,3 +13,8 @@ class InvalidRequestError(ValueError):
 class GrammarCompileError(InvalidRequestError):
     """A grammar (JSON schema, regex, EBNF, tools) that cannot be compiled, with xgrammar's message,
     or whose compilation ran past the time bound."""
+
+
+class GrammarCompileLimitError(GrammarCompileError):
+    """A grammar whose compilation passed the compiler's time or memory bound, or killed the
+    compiler process: not a verdict on the grammar (another backend is not tried after it)."""

@@ -23,14 +23,16 @@ import concurrent.futures
 import functools
 import json
 import logging
+import math
 import re
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from replicas.errors import GrammarCompileError
+from replicas.errors import GrammarCompileError, GrammarCompileLimitError
 from replicas.format_regex import REGEX_PATTERN
 
 logger = logging.getLogger(__name__)
@@ -812,13 +814,17 @@ def backend_for(spec: GrammarSpec) -> str:
 
 
 def fallback_for(spec: GrammarSpec) -> str | None:
-    """The backend that compiles ``spec`` when :func:`backend_for`'s choice refuses it, or None:
-    xgrammar for a json_schema sent to llguidance only for completeness
-    (:func:`incomplete_keywords`; xgrammar enforces all of it, but rejects some valid
-    instances)."""
-    if spec.kind == "json_schema" and not unenforced_keywords(spec.value) and incomplete_keywords(spec.value):
-        return "xgrammar"
-    return None
+    """The backend that compiles a json_schema ``spec`` when :func:`backend_for`'s choice refuses
+    it, or None: xgrammar for a schema sent to llguidance only for completeness
+    (:func:`incomplete_keywords`; xgrammar enforces all of it, but rejects some valid instances);
+    llguidance for a schema sent to xgrammar whose compiler refuses it for a limit of its own (a
+    bound past what its integer ranges hold: ``"maximum": 9223372036854776000``), never after the
+    time or memory bound (:class:`GrammarCompileLimitError`), and where llguidance refuses it too
+    the refusal is xgrammar's. llguidance refuses what it does not enforce, so either way the
+    schema is served whole or refused."""
+    if spec.kind != "json_schema" or unenforced_keywords(spec.value):
+        return None
+    return "xgrammar" if incomplete_keywords(spec.value) else "llguidance"
 
 
 def _lark_str(s: str) -> str:
@@ -912,6 +918,49 @@ def _llguidance_refusal(spec: GrammarSpec, message: str) -> str:
     return f"invalid {spec.kind} grammar: {message[:400]}"
 
 
+_UPPER_BOUNDS, _LOWER_BOUNDS = ("maximum", "exclusiveMaximum"), ("minimum", "exclusiveMinimum")
+_I64_INNER = math.nextafter(2.0**63, 0)   # the largest double below 2**63 (2**63 - 1024)
+
+
+def _inner_double(v: int, upper: bool) -> int:
+    """The integer-valued double nearest ``v`` on its inner side (at most ``v`` for an ``upper``
+    bound, at least ``v`` for a lower one) and strictly within +-2**63, as an int."""
+    try:
+        d = float(v)
+    except OverflowError:
+        d = math.copysign(sys.float_info.max, v)
+    if (d > v) if upper else (d < v):
+        d = math.nextafter(d, -math.inf if upper else math.inf)
+    if upper and d > _I64_INNER:
+        d = _I64_INNER
+    if not upper and d < -_I64_INNER:
+        d = -_I64_INNER
+    return int(d)
+
+
+def _exact_bounds(schema: Any) -> Any:
+    """``schema`` with every integer bound that no double holds, or that is past a 64-bit integer,
+    moved inward to the nearest double within +-2**63: upper bounds down, lower bounds up (a copy;
+    ``schema`` itself when there is none). Both backends read a bound as a double (llguidance took
+    9007199254740996 under ``"maximum": 9007199254740995``), while ``jsonschema`` compares exact
+    Python ints; and neither builds a range at 2**63 (xgrammar: "Integer exceeds maximum limit";
+    llguidance: "Failed to generate regex for integer range", for a common ``"maximum":
+    9223372036854775807``). The moved bound is read exactly, and every instance within it is
+    within the original (sound; the integers between the two bounds, 1,024 at most below 2**63,
+    are not produced)."""
+    def inexact(node):
+        return [k for k in _UPPER_BOUNDS + _LOWER_BOUNDS if type(node.get(k)) is int and abs(node[k]) > 2**53
+                and _inner_double(node[k], k in _UPPER_BOUNDS) != node[k]]
+    if not any(inexact(node) for node, _ in _walk(schema)):
+        return schema
+    import copy
+    schema = copy.deepcopy(schema)
+    for node, _ in _walk(schema):
+        for k in inexact(node):
+            node[k] = _inner_double(node[k], k in _UPPER_BOUNDS)
+    return schema
+
+
 def _check(spec: GrammarSpec) -> GrammarSpec:
     """What the compiler refuses before compiling (malformed input; what no backend enforces is
     refused when llguidance compiles it, see :func:`backend_for`). Returns the spec to compile (a json_schema
@@ -924,7 +973,7 @@ def _check(spec: GrammarSpec) -> GrammarSpec:
                 parsed = json.loads(v)
             except json.JSONDecodeError as e:
                 raise GrammarCompileError(f"invalid json_schema grammar: not valid JSON: {e}") from None
-        return GrammarSpec("json_schema", parsed, spec.strict)
+        return GrammarSpec("json_schema", _exact_bounds(parsed), spec.strict)
     if spec.kind == "choice" and (not v or not isinstance(v, list) or not all(isinstance(x, str) for x in v)):
         raise GrammarCompileError("choice needs a non-empty list of strings")
     if spec.kind in ("ebnf", "lark", "regex") and (not isinstance(v, str) or not v.strip()):
@@ -933,6 +982,12 @@ def _check(spec: GrammarSpec) -> GrammarSpec:
         tools = (v or {}).get("tools") or []
         if not tools:
             raise GrammarCompileError("a tools grammar needs at least one tool")
+        params = [(t.get("function") or {}).get("parameters") if isinstance(t, dict) else None for t in tools]
+        exact = [_exact_bounds(p) for p in params]
+        if any(e is not p for e, p in zip(exact, params)):
+            tools = [t if e is p else {**t, "function": {**t["function"], "parameters": e}}
+                     for t, p, e in zip(tools, params, exact)]
+            return GrammarSpec("tools", {**v, "tools": tools}, spec.strict)
     return spec
 
 
@@ -1301,16 +1356,16 @@ class GrammarCompiler:
         while not self._conn.poll(0.05):
             if time.monotonic() > deadline:
                 self._stop()
-                raise GrammarCompileError(f"{spec.kind} grammar did not compile within {self.timeout_s:g} s")
+                raise GrammarCompileLimitError(f"{spec.kind} grammar did not compile within {self.timeout_s:g} s")
             if self._rss() > self.memory_bytes:
                 self._stop()
-                raise GrammarCompileError(f"{spec.kind} grammar needs more than the compiler's "
+                raise GrammarCompileLimitError(f"{spec.kind} grammar needs more than the compiler's "
                                           f"{self.memory_bytes / 2**30:g} GiB of memory")
         try:
             status, payload = self._conn.recv()
         except (EOFError, OSError):
             self._stop()
-            raise GrammarCompileError(f"the grammar compiler died on this {spec.kind} grammar") from None
+            raise GrammarCompileLimitError(f"the grammar compiler died on this {spec.kind} grammar") from None
         if (status != "ok" and "bad_alloc" in str(payload)) or self._rss() > self.memory_bytes // 2:
             # The process keeps what it grew to: a fresh one, so that the next grammar is not
             # refused for memory a previous one took.
@@ -1349,10 +1404,17 @@ class GrammarCompiler:
             spec = _check(spec)
             try:
                 compiled, size = self._compile_backend(backend_for(spec), spec)
-            except GrammarCompileError:
-                if fallback_for(spec) is None:
+            except GrammarCompileError as e:
+                fallback = fallback_for(spec)
+                if fallback is None or (fallback == "llguidance" and isinstance(e, GrammarCompileLimitError)):
                     raise
-                compiled, size = self._compile_backend(fallback_for(spec), spec)
+                if fallback == "xgrammar":
+                    compiled, size = self._compile_backend(fallback, spec)
+                else:   # where llguidance refuses it too, xgrammar's verdict stands (its message)
+                    try:
+                        compiled, size = self._compile_backend(fallback, spec)
+                    except GrammarCompileError:
+                        raise e from None
             if getattr(compiled, "narrowed", ()):
                 logger.info("schema served narrowed (valid instances it cannot produce): %s",
                             "; ".join(compiled.narrowed))
@@ -1383,7 +1445,7 @@ class GrammarCompiler:
         try:
             return future.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
-            raise GrammarCompileError(f"{spec.kind} grammar did not compile within {self.timeout_s:g} s") from None
+            raise GrammarCompileLimitError(f"{spec.kind} grammar did not compile within {self.timeout_s:g} s") from None
         except GrammarCompileError:
             raise
         except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own types

@@ -305,6 +305,49 @@ def test_schema_moved_for_completeness_falls_back_to_xgrammar_where_llguidance_r
         assert not _accepts(engine.grammar.matcher(spec), engine.tokenizer, bad)
 
 
+@pytest.mark.parametrize("kind", ["integer", "number"])
+@pytest.mark.parametrize("keyword", ["maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum"])
+def test_integer_bounds_past_doubles_are_served_soundly_by_both_backends(engine, kind, keyword):
+    """Both backends read a bound as a double, ``jsonschema`` compares exact ints: before
+    ``_exact_bounds``, llguidance took 9007199254740996 under ``"maximum": 9007199254740995``, and
+    neither served a 64-bit limit (``"maximum": 9223372036854775807`` for numbers in llguidance,
+    ``-9223372036854775807`` as a minimum). Every text near each bound that a grammar accepts
+    validates, and the bound's side well inside is accepted."""
+    from replicas.grammar import GrammarSpec, _check
+    sign = 1 if "Maximum" in keyword or keyword == "maximum" else -1
+    for v in (9007199254740995, 9223372036854775807, 2**64 + 1):
+        schema = {"type": kind, keyword: sign * v}
+        validator = jsonschema.Draft202012Validator(schema)
+        texts = [str(sign * (v + d)) for d in range(-3, 4)]
+        if kind == "number":
+            texts += [f"{sign * (v + d)}.5" for d in (-2, -1, 0)]
+        for backend in ("xgrammar", "llguidance"):
+            compiled = engine.grammar._compile_backend(backend, _check(GrammarSpec("json_schema", schema)))[0]
+            for text in texts:
+                if _accepts(engine.grammar.matcher_of(compiled), engine.tokenizer, text):
+                    assert validator.is_valid(json.loads(text)), (backend, schema, text)
+            inside = str(sign * min(v - 2**20, 2**62))   # (bounds past 2**63 are clamped below it)
+            assert _accepts(engine.grammar.matcher_of(compiled), engine.tokenizer, inside), (backend, schema)
+
+
+def test_schema_xgrammar_refuses_for_its_own_limit_is_served_by_llguidance(engine):
+    """JSONSchemaBench Github_easy #16: a property whose schema is ``false`` (it must be absent)
+    makes xgrammar's compiler refuse the schema ("Schema 'false' cannot accept any value"),
+    though it enforces every keyword; llguidance serves it whole."""
+    from replicas.grammar import GrammarSpec, _check, backend_for
+    from replicas.errors import GrammarCompileError
+    schema = {"type": "object", "properties": {"gone": False, "n": {"type": "integer", "minimum": 1}},
+              "required": ["n"], "additionalProperties": False}
+    spec = GrammarSpec("json_schema", schema)
+    assert backend_for(_check(spec)) == "xgrammar"
+    with pytest.raises(GrammarCompileError, match="cannot accept any value"):
+        engine.grammar._compile_backend("xgrammar", _check(spec))
+    assert engine.grammar.backend_of(spec) == "llguidance"
+    assert _accepts(engine.grammar.matcher(spec), engine.tokenizer, '{"n": 2}')
+    for bad in ('{"n": 2, "gone": 1}', '{"n": 0}', '{"gone": null}', '{}'):
+        assert not _accepts(engine.grammar.matcher(spec), engine.tokenizer, bad)
+
+
 @pytest.mark.parametrize("schema,needle", [
     ({"type": "array", "items": {"type": "integer", "maximum": 9}, "uniqueItems": True}, "uniqueItems at $"),
     ({"type": "array", "contains": {"const": 3}}, "contains at $"),
