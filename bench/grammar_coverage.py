@@ -229,6 +229,11 @@ def jsonschemabench_coverage(timeout_s: float, limit: int | None, progress_path:
                 seconds += r["seconds"]
                 start = i + 1
                 bar.update(1)
+                if r["after"] == "timeout":
+                    # Its compile thread may still run (the server's compiler process is killed at
+                    # the bound; this worker compiles in threads): a fresh worker for the rest, so
+                    # that the next schemas do not wait behind it.
+                    break
             proc.kill()
             proc.join()
         bar.close()
