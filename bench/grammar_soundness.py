@@ -446,8 +446,9 @@ class Grammar:
         compiled = compiler.compile(self.spec) if backend is None else compiler._compile_in_thread(backend, self.spec)
         self.backend = "llguidance" if isinstance(compiled, LLGuidanceGrammar) else "xgrammar"
         cls = LLGuidanceMatcher if self.backend == "llguidance" else XGrammarMatcher
-        # the server's matcher (with the checks it adds, replicas/decode_checks.py), or the backend's own
-        self.new = (lambda: compiler.matcher_of(compiled)) if backend is None else (lambda: cls(compiled))
+        # the server's matcher (with the checks it adds: replicas/decode_checks.py, name_checks.py),
+        # or the backend's own
+        self.new = (lambda: compiler.matcher(self.spec)) if backend is None else (lambda: cls(compiled))
         self.eos = compiler.info.stop_token_ids[0]
 
     def _ids(self, text: str) -> list[int]:

@@ -67,6 +67,9 @@ class XGrammarBackend:
             self._bitmask = self.xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
         bitmask = self._bitmask[:len(matchers)]
         self._batch.batch_fill_next_token_bitmask([m.native for m in matchers], bitmask)   # replicas.grammar.Matcher s
+        for i, m in enumerate(matchers):
+            if hasattr(m, "restrict"):   # checks on the text (replicas/name_checks.py), as apply_bitmask runs them
+                m.restrict(bitmask[i])
         return bitmask
 
     def apply(self, logits, bitmask) -> None:

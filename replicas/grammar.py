@@ -1452,8 +1452,17 @@ class GrammarCompiler:
             raise GrammarCompileError(f"invalid {spec.kind} grammar: {_clean(str(e))}") from None
 
     def matcher(self, spec: GrammarSpec) -> Matcher:
-        """A fresh :class:`Matcher` for one request (xgrammar's or llguidance's)."""
-        return self.matcher_of(self.compile(spec))
+        """A fresh :class:`Matcher` for one request (xgrammar's or llguidance's); for a
+        ``json_schema`` or ``tools`` (each call's JSON), with property names checked on the text
+        (``replicas/name_checks.py``: one spelling per name, no name twice in an object)."""
+        matcher = self.matcher_of(self.compile(spec))
+        if spec.kind not in ("json_schema", "tools"):
+            return matcher
+        from replicas.name_checks import NameCheckedMatcher, NameTables
+        if getattr(self, "_name_tables", None) is None:
+            self._name_tables = NameTables(self._token_bytes(self.llg[0])[0])
+        return NameCheckedMatcher(matcher, self._name_tables, list(self.info.stop_token_ids),
+                                  tool_calls=spec.kind == "tools")
 
     def matcher_of(self, compiled) -> Matcher:
         """A fresh :class:`Matcher` for a grammar :meth:`compile` returned."""
@@ -1509,6 +1518,9 @@ class GrammarCompiler:
         llg_rows = [i for i in rows if matchers[i].backend == "llguidance"]
         if xgr_rows:   # xgrammar's batch API: its rows filled in one call (on its thread pool)
             self._batch.batch_fill_next_token_bitmask([matchers[i].native for i in xgr_rows], bitmask, indices=xgr_rows)
+            for i in xgr_rows:
+                if hasattr(matchers[i], "restrict"):   # property names checked on the text
+                    matchers[i].restrict(bitmask[i])
         if llg_rows:
             import llguidance
             import llguidance.torch
@@ -1518,7 +1530,7 @@ class GrammarCompiler:
                                                          bitmask)
             for i in llg_rows:
                 matchers[i].masked = True
-                if hasattr(matchers[i], "restrict"):   # unique arrays checked on the text
+                if hasattr(matchers[i], "restrict"):   # unique arrays, property names checked on the text
                     matchers[i].restrict(bitmask[i])
                 if matchers[i].native.is_error():
                     bitmask[i].zero_()

@@ -91,7 +91,7 @@ def test_unique_strings_served_exactly(engine, schema, valid, invalid):
     v = _validator(schema)
     assert all(v.is_valid(x) for x in valid) and not any(v.is_valid(x) for x in invalid)
     g = Grammar(engine.grammar, engine.tokenizer, schema)
-    assert g.backend == "llguidance" and isinstance(g.new(), CheckedMatcher)
+    assert g.backend == "llguidance" and isinstance(g.new().inner, CheckedMatcher)   # (inside the name check)
     for x in valid:
         assert g.guided(x) is not None, x
     for x in invalid:
@@ -186,7 +186,7 @@ def _ids(engine, text):
 
 def test_escaped_repeat_is_refused_and_rollback_restores(engine):
     m = engine.grammar.matcher(GrammarSpec("json_schema", {"type": "object", "properties": {"tags": TAGS}}))
-    assert isinstance(m, CheckedMatcher)
+    assert isinstance(m.inner, CheckedMatcher)   # (inside the name check)
     head = _ids(engine, '{"tags": ["a", ')
     assert all(m.accept_token(t) for t in head)
     assert not m.accept_string('"\\u0061"')             # "a" again, written with an escape
@@ -221,7 +221,7 @@ def test_paths_cross_the_compiler_process(engine):
     compiler = GrammarCompiler(engine.tokenizer, engine.grammar.vocab_size, isolate=True)
     try:
         m = compiler.matcher(GrammarSpec("json_schema", TAGS))
-        assert isinstance(m, CheckedMatcher)
+        assert isinstance(m.inner, CheckedMatcher)   # (inside the name check)
         assert m.accept_string('["x", ') and not m.accept_string('"x"')
     finally:
         compiler.close()
