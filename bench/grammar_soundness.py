@@ -11,7 +11,8 @@ backend ``replicas.grammar.backend_for`` picks, its fallback, or a refusal):
 - invalid instances: mutations of the valid ones (a required key dropped, a value of the wrong
   type, a number out of range, an extra property, a string too long / too short, an enum value
   changed, an item added / dropped, ...), kept only if ``jsonschema`` says they are invalid; each
-  must be rejected by the grammar in every layout (soundness);
+  must be rejected by the grammar in every layout, and also with every property name's first
+  character written as a ``\\u`` escape (:func:`escaped_names`) (soundness);
 - grammar samples: texts the grammar itself produces (a seeded random walk over its token mask
   until EOS); each must parse and validate (soundness, without needing a generator).
 
@@ -593,6 +594,29 @@ def _closing_tokens(tok, vocab: int, _cache={}) -> frozenset:
 EXAMPLE_CHARS = 4000   # a failing text kept whole up to this length, to find where matching stops
 
 
+def escaped_names(x) -> str | None:
+    """``x`` written with the first character of every property name as a ``\\u`` escape (the
+    same instance once decoded), or None where ``x`` has no non-empty name. An invalid instance
+    must be rejected written so too: both backends once took an escaped name for an undeclared
+    one (``replicas/name_checks.py``)."""
+    found = []
+
+    def name(k: str) -> str:
+        if not k or ord(k[0]) > 0xFFFF:
+            return json.dumps(k, ensure_ascii=False)
+        found.append(k)
+        return '"\\u%04x' % ord(k[0]) + json.dumps(k[1:], ensure_ascii=False)[1:]
+
+    def enc(v) -> str:
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{name(k)}: {enc(w)}" for k, w in v.items()) + "}"
+        if isinstance(v, list):
+            return "[" + ", ".join(enc(w) for w in v) + "]"
+        return _dumps(v, False)
+    text = enc(x)
+    return text if found else None
+
+
 def check_instances(g: Grammar, v, valids: list, invalids: list, schema) -> dict:
     """Counts (and the first failing texts) for one grammar: valid instances rejected in every
     layout, invalid instances accepted in some layout."""
@@ -604,7 +628,8 @@ def check_instances(g: Grammar, v, valids: list, invalids: list, schema) -> dict
             r["examples"].append(["valid rejected", _dumps(schema_order(x, schema), False)[:EXAMPLE_CHARS]])
     for x in invalids:
         # an accepted text counts as it parses: 3.0678e+24 written as digits is an integer
-        hit = next((t for t in layouts(x, schema) if g.accepts(t) and is_valid(v, json.loads(t)) is False), None)
+        texts = layouts(x, schema) + [t for t in (escaped_names(schema_order(x, schema)),) if t is not None]
+        hit = next((t for t in texts if g.accepts(t) and is_valid(v, json.loads(t)) is False), None)
         for text in (() if hit else (g.guided(x), g.guided(schema_order(x, schema)))):
             if text is not None and is_valid(v, json.loads(text)) is False:
                 hit = "(in another key order) " + text

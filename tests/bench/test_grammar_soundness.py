@@ -169,3 +169,10 @@ def test_text_naming_an_added_token_is_fed_as_characters(compiler):
     assert len(tok("<tools>", add_special_tokens=False)["input_ids"]) == 1
     assert g.guided({"a": {"<tools>(.*?)</tools>": []}}) == '{"a": {"<tools>(.*?)</tools>": []}}'
     assert g.accepts('{"x<tools>": 1}') and not g.accepts('{"x<tools>": "s"}')
+
+
+def test_escaped_names_layout_decodes_to_the_same_instance():
+    x = {"a": 1, "bc": {"d": [1, {"": 2}]}, "": 3, "\U0001F600": 4}
+    text = gs.escaped_names(x)
+    assert text.startswith('{"\\u0061": 1, "\\u0062c": {"\\u0064"') and json.loads(text) == x
+    assert gs.escaped_names([1, {"": 2}]) is None   # no name to escape
