@@ -563,20 +563,20 @@ class _Scan:
         return True
 
 
-class CheckedMatcher:
-    """A :class:`replicas.grammar.Matcher` (``inner``) with the module's checks at ``paths``
-    (:func:`check_paths`). ``token_bytes[t]``: token ``t``'s bytes; ``quote_ids``: int64 ids of
-    the tokens holding a ``"`` (inside a string, the only ones that can leave it), ``exit_ids``
-    those with a ``,`` ``]`` ``}`` ``[`` or ``{`` after a ``"`` (the only ones that can leave a
-    string and then end or open something checked)."""
+class TextCheckedMatcher:
+    """A :class:`replicas.grammar.Matcher` (``inner``) with a check on the accepted text: a
+    scanner (``new_scan()``: ``feed(bytes) -> bool``, ``copy()``) fed the bytes of each accepted
+    token (``token_bytes[t]``); a token whose bytes :meth:`_blocked` refuses is refused by
+    :meth:`accept_token`; rollback rebuilds the scan from the bytes kept. Subclasses give
+    ``_blocked`` and ``restrict`` (the step's bitmask), and use :meth:`_only_stop` where a mask
+    ends empty."""
 
-    def __init__(self, inner, paths: frozenset, token_bytes: list, quote_ids: torch.Tensor,
-                 exit_ids: torch.Tensor, stop_ids: list):
+    def __init__(self, inner, token_bytes: list, stop_ids: list, new_scan):
         self.inner, self.backend, self.native = inner, inner.backend, inner.native
-        self._bytes, self._quotes, self._exits, self._stop = token_bytes, quote_ids, exit_ids, set(stop_ids)
-        self._scan = _Scan(paths)
+        self._bytes, self._stop, self._new_scan = token_bytes, set(stop_ids), new_scan
+        self._scan = new_scan()
         self._text = b""
-        self._lens: list[int] = []   # bytes of each accepted token
+        self._lens: list[int] = []   # bytes of each accepted token (each step the inner rollback counts)
 
     @property
     def masked(self) -> bool:
@@ -587,11 +587,11 @@ class CheckedMatcher:
         self.inner.masked = value
 
     def _blocked(self, data: bytes) -> bool:
-        """Whether ``data`` would end a repeated item (or start one that cannot go on), end an
-        object short of its ``minProperties``, start a property past its ``maxProperties``, or
-        leave an enum's array unfinishable."""
-        scan = self._scan.copy()
-        return not scan.feed(data) or not scan.viable()
+        raise NotImplementedError
+
+    def _refuses(self, scan, data: bytes) -> bool:
+        """Whether ``scan`` (fed in place) refuses ``data``."""
+        return not scan.feed(data)
 
     def accept_token(self, token: int) -> bool:
         if token in self._stop:
@@ -607,6 +607,56 @@ class CheckedMatcher:
         self._lens.append(len(data))
         return True
 
+    def rollback(self, num_tokens: int) -> None:
+        self.inner.rollback(num_tokens)
+        if num_tokens:   # the scan is rebuilt from the bytes kept (rollbacks are rare and short)
+            self._lens = self._lens[:max(len(self._lens) - num_tokens, 0)]
+            self._text = self._text[:sum(self._lens)]
+            self._scan = self._new_scan()
+            self._scan.feed(self._text)
+
+    def is_terminated(self) -> bool:
+        return self.inner.is_terminated()
+
+    def find_jump_forward_string(self) -> str:
+        s = self.inner.find_jump_forward_string()
+        if not s or not self._blocked(s.encode()):
+            return s
+        scan = self._scan.copy()
+        for i, ch in enumerate(s):   # cut before a character the check would refuse
+            if self._refuses(scan, ch.encode()):
+                return s[:i]
+        return s
+
+    def _only_stop(self, row: torch.Tensor) -> None:
+        """Allow only the stop tokens in ``row`` (int32 bitmask words)."""
+        for t in self._stop:
+            word, bit = divmod(t, 32)
+            w = (int(row[word]) & 0xFFFFFFFF) | (1 << bit)
+            row[word] = w - (1 << 32) if w >= 1 << 31 else w
+
+
+class CheckedMatcher(TextCheckedMatcher):
+    """A :class:`replicas.grammar.Matcher` (``inner``) with the module's checks at ``paths``
+    (:func:`check_paths`). ``token_bytes[t]``: token ``t``'s bytes; ``quote_ids``: int64 ids of
+    the tokens holding a ``"`` (inside a string, the only ones that can leave it), ``exit_ids``
+    those with a ``,`` ``]`` ``}`` ``[`` or ``{`` after a ``"`` (the only ones that can leave a
+    string and then end or open something checked)."""
+
+    def __init__(self, inner, paths: frozenset, token_bytes: list, quote_ids: torch.Tensor,
+                 exit_ids: torch.Tensor, stop_ids: list):
+        super().__init__(inner, token_bytes, stop_ids, lambda: _Scan(paths))
+        self._quotes, self._exits = quote_ids, exit_ids
+
+    def _blocked(self, data: bytes) -> bool:
+        """Whether ``data`` would end a repeated item (or start one that cannot go on), end an
+        object short of its ``minProperties``, start a property past its ``maxProperties``, or
+        leave an enum's array unfinishable."""
+        return self._refuses(self._scan.copy(), data)
+
+    def _refuses(self, scan, data: bytes) -> bool:
+        return not scan.feed(data) or not scan.viable()
+
     def accept_string(self, text: str) -> bool:
         data = text.encode()
         if self._blocked(data):
@@ -618,27 +668,6 @@ class CheckedMatcher:
         self._text += data
         self._lens += [len(self._bytes[t]) for t in ids]
         return True
-
-    def rollback(self, num_tokens: int) -> None:
-        self.inner.rollback(num_tokens)
-        if num_tokens:   # the scan is rebuilt from the bytes kept (rollbacks are rare and short)
-            self._lens = self._lens[:max(len(self._lens) - num_tokens, 0)]
-            self._text = self._text[:sum(self._lens)]
-            self._scan = _Scan(self._scan.paths)
-            self._scan.feed(self._text)
-
-    def is_terminated(self) -> bool:
-        return self.inner.is_terminated()
-
-    def find_jump_forward_string(self) -> str:
-        s = self.inner.find_jump_forward_string()
-        if not s:
-            return s
-        scan = self._scan.copy()
-        for i, ch in enumerate(s):   # cut before a character the check would refuse
-            if not scan.feed(ch.encode()) or not scan.viable():
-                return s[:i]
-        return s
 
     @torch.inference_mode()   # (the engine's bitmask buffer may be an inference tensor)
     def restrict(self, row: torch.Tensor) -> None:
@@ -666,7 +695,4 @@ class CheckedMatcher:
                 row[word] = w - (1 << 32) if w >= 1 << 31 else w
                 cleared = True
         if cleared and not bool(row.any()):
-            for t in self._stop:
-                word, bit = divmod(t, 32)
-                w = (int(row[word]) & 0xFFFFFFFF) | (1 << bit)
-                row[word] = w - (1 << 32) if w >= 1 << 31 else w
+            self._only_stop(row)

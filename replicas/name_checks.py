@@ -5,18 +5,21 @@ name can be written another way and pass for an undeclared one: ``{"\\u0061": "x
 ``{"a": "x"}`` once decoded, and its value was checked against ``additionalProperties`` (or
 nothing) instead of ``a``'s schema; and a name written twice in one object counts once once
 decoded (``json.loads`` keeps the last value), while xgrammar counts ``minProperties`` on the
-text. Both were found at stop 42 by probing texts a model could write (JSONSchemaBench's
-generated instances never spell a name with an escape).
+text. Both were found at stop 42 by probing texts a model could write (the soundness bench's
+generated instances did not spell a name with an escape; they do now: ``escaped_names``).
 
-:class:`NameCheckedMatcher` wraps a JSON schema grammar's matcher and refuses, while decoding,
-a token that would write a ``\\u`` or ``\\/`` escape inside a property name, or close a name
-already written in the same object (``accept_token`` refuses it; :meth:`restrict` masks it out of
-the step's bitmask, so sampling never draws it). Every name then has one spelling: its characters
-as they are, with ``\\"``, ``\\\\`` and the short escapes ``\\b \\f \\n \\r \\t``; so a declared
-name is the one the grammar declares, and the object holds distinct names. The cost: a name with
-another control character (which only ``\\u`` can write) cannot be produced. A name repeated is
-refused at its closing quote; where the grammar allows any name the model writes another one
-(should a mask still end empty, only EOS stays, as in ``replicas/decode_checks.py``).
+:class:`NameCheckedMatcher` wraps a ``json_schema`` grammar's matcher (a ``tools`` one: inside each
+``<tool_call>`` block's JSON) and refuses, while decoding, a token that would write a second
+spelling of a character inside a property name, or close a name already written in the same
+object (``accept_token`` refuses it; :meth:`NameCheckedMatcher.restrict` masks it out of the
+step's bitmask, so sampling never draws it). Every name then has one spelling, as
+``json.dumps(..., ensure_ascii=False)`` writes it but for DEL: its characters as they are, with ``\\"``,
+``\\\\``, the short escapes ``\\b \\f \\n \\r \\t``, ``\\u00XX`` (lowercase) for the other control
+characters and ``\\u007f`` for DEL; so a declared name is the one the grammar declares, and the
+object holds distinct names. The cost: a non-ASCII character written ``\\uXXXX`` in a name is
+refused (the character itself is taken). A name repeated is refused at its closing quote; where
+the grammar allows any name the model writes another one (should a mask still end empty, only
+EOS stays, as in ``replicas/decode_checks.py``).
 """
 
 from __future__ import annotations
@@ -24,14 +27,17 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from replicas.decode_checks import TextCheckedMatcher
+
 _QUOTE, _BACKSLASH = 0x22, 0x5C
 
 
 class _Names:
     """JSON text scanned byte by byte: for each open object the names written so far (raw bytes)
     and whether a name comes next (after ``{`` and ``,``); whether the open string is a name.
-    :meth:`feed` returns False (and stops: feed a :meth:`copy`) at a byte that writes a ``\\u`` /
-    ``\\/`` escape in a name or closes a name already written in its object. The text is the
+    :meth:`feed` returns False (and stops: feed a :meth:`copy`) at a byte that writes a second
+    spelling in a name (``\\/``, a ``\\u`` escape but those of the module doc, a raw DEL) or closes a
+    name already written in its object. The text is the
     grammar's, so well-formed JSON is assumed."""
 
     __slots__ = ("stack", "in_str", "esc", "key", "raw", "end", "hexd")
@@ -161,22 +167,6 @@ class _ToolCallNames:
         return True
 
 
-def _escape_before_quote(data: bytes) -> bool:
-    """Whether ``data``, read inside a string (not after a backslash), writes a ``\\u`` or ``\\/``
-    escape before it closes the string."""
-    esc = False
-    for c in data:
-        if esc:
-            if c == 0x75 or c == 0x2F:
-                return True
-            esc = False
-        elif c == _BACKSLASH:
-            esc = True
-        elif c == _QUOTE:
-            return False
-    return False
-
-
 def _opens_and_more(data: bytes) -> bool:
     """Whether ``data`` has a quote followed by a quote, a backslash or a DEL."""
     i = data.find(b'"')
@@ -197,13 +187,14 @@ class NameTables:
         self._refused = {(False, None): ids(lambda b: (b"\\" in b or b"\x7f" in b) and not _Names.in_name().feed(b))}
         self.name_reenter = ids(lambda b: b'"' in b and b"," in b[b.index(b'"'):] and b'"' in b[b.index(b'"') + 1:])
         self.backslash_or_quote = ids(lambda b: b"\\" in b or b'"' in b)
-        # elsewhere: the tokens that can open a name and, in the same token, write an escape or
-        # close it (a quote, then a quote or a backslash)
+        # elsewhere: the tokens that can open a name and, in the same token, write an escape, a DEL
+        # or close it (a quote, then a quote, a backslash or a DEL)
         self.opens_and_more = ids(_opens_and_more)
         # in a value string: those that close it, open a name and then do the same
         self.closes_opens_and_more = ids(lambda b: b'"' in b and _opens_and_more(b[b.index(b'"') + 1:]))
+        # outside a tool call's JSON: those that may end its tag, then open a name
+        self.tag = ids(lambda b: b">" in b and b'"' in b[b.index(b">"):])
         # in a name: the tokens that close it with these bytes before their quote (no backslash)
-        self.tag = ids(lambda b: b">" in b and b'"' in b[b.index(b">"):])   # (may end a tag, then open a name)
         self.closing: dict[bytes, list[int]] = {}
         for t, b in enumerate(token_bytes):
             if b'"' in b and b"\\" not in b[:b.index(b'"')]:
@@ -232,45 +223,20 @@ def _clear(words: np.ndarray, tokens) -> None:
     np.bitwise_and.at(words, ids >> 5, (~(np.int64(1) << (ids & 31))).astype(np.int32))
 
 
-class NameCheckedMatcher:
+class NameCheckedMatcher(TextCheckedMatcher):
     """A :class:`replicas.grammar.Matcher` (``inner``, any backend, possibly a
-    ``decode_checks.CheckedMatcher``) with the module's check on property names."""
+    ``decode_checks.CheckedMatcher``) with the module's check on property names; ``tool_calls``:
+    only inside each ``<tool_call>`` block's JSON."""
 
     def __init__(self, inner, tables: NameTables, stop_ids: list, tool_calls: bool = False):
-        self.inner, self.backend, self.native = inner, inner.backend, inner.native
-        self._tables, self._stop = tables, set(stop_ids)
-        self._new_scan = _ToolCallNames if tool_calls else _Names
-        self._scan = self._new_scan()
-        self._text = b""
-        self._lens: list[int] = []
-
-    @property
-    def masked(self) -> bool:
-        return self.inner.masked
-
-    @masked.setter
-    def masked(self, value: bool) -> None:
-        self.inner.masked = value
+        super().__init__(inner, tables.token_bytes, stop_ids, _ToolCallNames if tool_calls else _Names)
+        self._tables = tables
 
     def _blocked(self, data: bytes) -> bool:
         if not (self._scan.esc or b'"' in data or b"\\" in data or b"\x7f" in data
                 or getattr(self._scan.active(), "hexd", None) is not None):
             return False   # (no byte of it can write an escape or close a name)
-        return not self._scan.copy().feed(data)
-
-    def accept_token(self, token: int) -> bool:
-        if token in self._stop:
-            ok = self.inner.accept_token(token)
-            if ok:
-                self._lens.append(0)
-            return ok
-        data = self._tables.token_bytes[token]
-        if self._blocked(data) or not self.inner.accept_token(token):
-            return False
-        self._scan.feed(data)
-        self._text += data
-        self._lens.append(len(data))
-        return True
+        return self._refuses(self._scan.copy(), data)
 
     def accept_string(self, text: str) -> bool:
         data = text.encode()
@@ -284,38 +250,18 @@ class NameCheckedMatcher:
         while not hasattr(inner, "_tok") and hasattr(inner, "inner"):
             inner = inner.inner
         if hasattr(inner, "_tok"):
-            self._lens += [len(self._tables.token_bytes[t]) for t in inner._tok.tokenize_str(text)]
+            self._lens += [len(self._bytes[t]) for t in inner._tok.tokenize_str(text)]
         else:
             self._lens.append(len(data))
         return True
 
-    def rollback(self, num_tokens: int) -> None:
-        self.inner.rollback(num_tokens)
-        if num_tokens:   # the scan is rebuilt from the bytes kept (rollbacks are rare and short)
-            self._lens = self._lens[:max(len(self._lens) - num_tokens, 0)]
-            self._text = self._text[:sum(self._lens)]
-            self._scan = self._new_scan()
-            self._scan.feed(self._text)
-
-    def is_terminated(self) -> bool:
-        return self.inner.is_terminated()
-
-    def find_jump_forward_string(self) -> str:
-        s = self.inner.find_jump_forward_string()
-        if not s or not self._blocked(s.encode()):
-            return s
-        scan = self._scan.copy()
-        for i, ch in enumerate(s):   # cut before a character the check would refuse
-            if not scan.feed(ch.encode()):
-                return s[:i]
-        return s
-
     def restrict(self, row: torch.Tensor) -> None:
         """Clear, in ``row`` (this matcher's int32 bitmask words, filled by the grammar), the tokens
-        the check refuses; if nothing is left, allow only the stop tokens. Looked at: in a name,
-        the tokens with a backslash (after one, those starting with u or /) and the tokens that
-        close it into a name already written (a table lookup per such name); elsewhere, the
-        tokens that open a name and write an escape or a quote in it."""
+        the check refuses; if nothing is left, allow only the stop tokens. In a name: the tokens
+        refused there whatever came before (a table per escape state), those closing it into a
+        name already written (a table lookup per such name), and, scanned, those that close it
+        and open another; elsewhere, scanned, the tokens that open a name and write a backslash,
+        a DEL or a quote in it (outside a tool call's JSON: those ending its tag)."""
         if hasattr(self.inner, "restrict"):
             self.inner.restrict(row)
         scan, tables = self._scan.active(), self._tables
@@ -335,12 +281,9 @@ class NameCheckedMatcher:
                 candidates = _allowed(words, tables.name_reenter)
         else:
             candidates = _allowed(words, tables.closes_opens_and_more if scan.in_str else tables.opens_and_more)
-        blocked += [t for t in candidates if self._blocked(self._tables.token_bytes[t])]
+        blocked += [t for t in candidates if self._blocked(self._bytes[t])]
         if not blocked:
             return
         _clear(words, blocked)
         if not words.any():
-            for t in self._stop:
-                word, bit = divmod(t, 32)
-                w = (int(row[word]) & 0xFFFFFFFF) | (1 << bit)
-                row[word] = w - (1 << 32) if w >= 1 << 31 else w
+            self._only_stop(row)
