@@ -12,7 +12,9 @@ backend ``replicas.grammar.backend_for`` picks, its fallback, or a refusal):
   type, a number out of range, an extra property, a string too long / too short, an enum value
   changed, an item added / dropped, ...), kept only if ``jsonschema`` says they are invalid; each
   must be rejected by the grammar in every layout, and also with every property name's first
-  character written as a ``\\u`` escape (:func:`escaped_names`) (soundness);
+  character written as a ``\\u`` escape (:func:`escaped_names`) (soundness); and each valid
+  instance written with a name repeated in an object (:func:`repeated_names`) must be rejected
+  too (counted with the invalid texts);
 - grammar samples: texts the grammar itself produces (a seeded random walk over its token mask
   until EOS); each must parse and validate (soundness, without needing a generator).
 
@@ -617,15 +619,45 @@ def escaped_names(x) -> str | None:
     return text if found else None
 
 
+def repeated_names(x) -> str | None:
+    """``x`` written in the schema's layout with the first name of every non-empty object written
+    twice (the same value both times), or None where ``x`` has no object with a name. JSON leaves
+    a repeated name's meaning open (RFC 8259 section 4: parsers differ on which value counts), so
+    the server refuses it (``replicas/name_checks.py``) and every such text counts as an invalid
+    text, whatever ``json.loads`` makes of it: xgrammar once counted ``{"a": 1, "a": 2}`` as two
+    properties for ``minProperties``."""
+    found = []
+
+    def enc(v) -> str:
+        if isinstance(v, dict):
+            items = [f"{_dumps(k, False)}: {enc(w)}" for k, w in v.items()]
+            if items:
+                found.append(1)
+                items.insert(1, items[0])
+            return "{" + ", ".join(items) + "}"
+        if isinstance(v, list):
+            return "[" + ", ".join(enc(w) for w in v) + "]"
+        return _dumps(v, False)
+    text = enc(x)
+    return text if found else None
+
+
 def check_instances(g: Grammar, v, valids: list, invalids: list, schema) -> dict:
     """Counts (and the first failing texts) for one grammar: valid instances rejected in every
-    layout, invalid instances accepted in some layout."""
+    layout, invalid instances accepted in some layout, and each valid instance written with a
+    repeated name (:func:`repeated_names`, counted as an invalid text) accepted."""
     r = {"valid": len(valids), "invalid": len(invalids), "valid_rejected": 0, "invalid_accepted": 0, "examples": []}
     for x in valids:
         if not any(g.accepts(t) for t in layouts(x, schema)) and g.guided(x) is None \
                 and g.guided(schema_order(x, schema)) is None:
             r["valid_rejected"] += 1
             r["examples"].append(["valid rejected", _dumps(schema_order(x, schema), False)[:EXAMPLE_CHARS]])
+        repeated = repeated_names(schema_order(x, schema))
+        if repeated is not None:
+            r["invalid"] += 1
+            if g.accepts(repeated):
+                r["invalid_accepted"] += 1
+                r["examples"].append(["repeated name accepted", repeated[:EXAMPLE_CHARS]])
     for x in invalids:
         # an accepted text counts as it parses: 3.0678e+24 written as digits is an integer
         texts = layouts(x, schema) + [t for t in (escaped_names(schema_order(x, schema)),) if t is not None]

@@ -176,3 +176,30 @@ def test_escaped_names_layout_decodes_to_the_same_instance():
     text = gs.escaped_names(x)
     assert text.startswith('{"\\u0061": 1, "\\u0062c": {"\\u0064"') and json.loads(text) == x
     assert gs.escaped_names([1, {"": 2}]) is None   # no name to escape
+
+
+def test_repeated_names_are_counted_as_invalid_texts(compiler):
+    """Every valid instance with an object is also written with a name repeated; a grammar that
+    takes it counts an invalid accepted (the server's matcher refuses it on both backends)."""
+    x = {"a": 1, "b": {"c": [{"d": 2}], "e": {}}}
+    text = gs.repeated_names(x)
+    assert text == '{"a": 1, "a": 1, "b": {"c": [{"d": 2, "d": 2}], "c": [{"d": 2, "d": 2}], "e": {}}}'
+    assert json.loads(text) == x
+    assert gs.repeated_names([1, {}]) is None
+
+    class TakesAll:
+        def accepts(self, text):
+            return True
+
+        def guided(self, x):
+            return None
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "minProperties": 2}
+    v = gs.validator(schema)
+    rec = gs.check_instances(TakesAll(), v, [{"a": 1, "b": 2}], [], schema)
+    assert (rec["invalid"], rec["invalid_accepted"], rec["examples"][0][0]) == (1, 1, "repeated name accepted")
+    tok, gc = compiler
+    for backend in ("xgrammar", "llguidance"):
+        g = gs.Grammar(gc, tok, schema, backend=backend)
+        assert g.accepts('{"a": 1, "b": 2}') and not g.accepts('{"a": 1, "a": 1}')
+        rec = gs.check_instances(g, v, [{"a": 1, "b": 2}], [], schema)
+        assert (rec["invalid"], rec["invalid_accepted"], rec["valid_rejected"]) == (1, 0, 0), backend
