@@ -7,7 +7,8 @@ backend ``replicas.grammar.backend_for`` picks, its fallback, or a refusal):
 
 - valid instances: drawn with ``hypothesis-jsonschema`` (where it applies) and kept only if
   ``jsonschema`` (with its format checker) says they are valid; each must be accepted by the
-  grammar (completeness) in one of the layouts below;
+  grammar (completeness) in one of the layouts below (one rejected that fails a format the server
+  enforces in every draft, ``uuid`` under draft 7 say, is counted apart: :func:`stricter_validator`);
 - invalid instances: mutations of the valid ones (a required key dropped, a value of the wrong
   type, a number out of range, an extra property, a string too long / too short, an enum value
   changed, an item added / dropped, ...), kept only if ``jsonschema`` says they are invalid; each
@@ -163,6 +164,23 @@ def validator(schema):
                                              "additionalProperties": _ecma_additional_properties,
                                              "multipleOf": _decimal_multiple_of})
     return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+def stricter_validator(schema):
+    """:func:`validator` with the formats the server enforces in every draft also checked where
+    the schema's draft leaves them unchecked (``uuid`` under draft 4 to 7, ``date`` under draft
+    4: ``replicas.grammar._LLG_FORMATS``, kept on purpose, stricter than the draft, as users
+    expect), or None where the draft already checks them all. A valid instance the grammar rejects
+    that fails this one is counted apart (``valid_rejected_format``): a choice, not a defect."""
+    import jsonschema
+
+    from replicas.grammar import _LLG_FORMATS
+    v = validator(schema)
+    have = set(v.format_checker.checkers)
+    extra = (_LLG_FORMATS & set(jsonschema.FormatChecker.checkers)) - have
+    if not extra:
+        return None
+    return type(v)(schema, format_checker=jsonschema.FormatChecker(formats=have | extra))
 
 
 def is_valid(v, instance) -> bool | None:
@@ -645,13 +663,22 @@ def repeated_names(x) -> str | None:
 def check_instances(g: Grammar, v, valids: list, invalids: list, schema) -> dict:
     """Counts (and the first failing texts) for one grammar: valid instances rejected in every
     layout, invalid instances accepted in some layout, and each valid instance written with a
-    repeated name (:func:`repeated_names`, counted as an invalid text) accepted."""
-    r = {"valid": len(valids), "invalid": len(invalids), "valid_rejected": 0, "invalid_accepted": 0, "examples": []}
+    repeated name (:func:`repeated_names`, counted as an invalid text) accepted. A valid instance
+    rejected that fails a format the server keeps stricter than the draft
+    (:func:`stricter_validator`) counts under ``valid_rejected_format`` instead."""
+    r = {"valid": len(valids), "invalid": len(invalids), "valid_rejected": 0, "valid_rejected_format": 0,
+         "invalid_accepted": 0, "examples": []}
+    stricter = False
     for x in valids:
         if not any(g.accepts(t) for t in layouts(x, schema)) and g.guided(x) is None \
                 and g.guided(schema_order(x, schema)) is None:
-            r["valid_rejected"] += 1
-            r["examples"].append(["valid rejected", _dumps(schema_order(x, schema), False)[:EXAMPLE_CHARS]])
+            if stricter is False:
+                stricter = stricter_validator(schema)
+            kind = "valid rejected"
+            if stricter is not None and is_valid(stricter, x) is False:
+                kind = "valid rejected (format the draft leaves unchecked)"
+            r["valid_rejected" if kind == "valid rejected" else "valid_rejected_format"] += 1
+            r["examples"].append([kind, _dumps(schema_order(x, schema), False)[:EXAMPLE_CHARS]])
         repeated = repeated_names(schema_order(x, schema))
         if repeated is not None:
             r["invalid"] += 1
@@ -748,7 +775,7 @@ def check_schema(compiler, tok, schema, seed: int = 0, n_valid: int = N_VALID, n
         r = check_instances(g, v, kept, invalids, schema)
         s = s or check_samples(g, v, n_samples, rng)
         rec.update({k: s[k] for k in ("samples", "samples_invalid")})
-        rec.update({k: r[k] for k in ("valid", "invalid", "valid_rejected", "invalid_accepted")})
+        rec.update({k: r[k] for k in ("valid", "invalid", "valid_rejected", "valid_rejected_format", "invalid_accepted")})
         rec["examples"] = r["examples"][:3] + s["examples"][:2]
         if before_backend and before_backend != g.backend:
             signal.setitimer(signal.ITIMER_PROF, 0)
@@ -908,8 +935,8 @@ def _load(subset: str) -> list:
 def summarize(checkpoint: Path) -> dict:
     """Per subset counts from the checkpoint, and a few examples of each failure kind."""
     keys = ("schemas", "served", "refused", "timeout", "crashed", "bounded", "xgrammar", "llguidance", "na",
-            "valid", "invalid", "valid_rejected", "invalid_accepted", "samples", "samples_invalid",
-            "schemas_valid_rejected", "schemas_invalid_accepted", "moved", "before_valid_rejected",
+            "valid", "invalid", "valid_rejected", "valid_rejected_format", "invalid_accepted", "samples",
+            "samples_invalid", "schemas_valid_rejected", "schemas_invalid_accepted", "moved", "before_valid_rejected",
             "before_invalid_accepted", "before_refused")
     per = collections.defaultdict(lambda: dict.fromkeys(keys, 0))
     examples = collections.defaultdict(list)
@@ -930,6 +957,7 @@ def summarize(checkpoint: Path) -> dict:
         c["na"] += bool(r["na"])
         for k in ("valid", "invalid", "valid_rejected", "invalid_accepted", "samples", "samples_invalid"):
             c[k] += r[k]
+        c["valid_rejected_format"] += r.get("valid_rejected_format", 0)   # (records before the split: 0)
         c["schemas_valid_rejected"] += r["valid_rejected"] > 0
         c["schemas_invalid_accepted"] += r["invalid_accepted"] > 0 or r["samples_invalid"] > 0
         b = r.get("before")
@@ -983,6 +1011,7 @@ def table(summary: dict) -> str:
     cols = [("schemas", "schemas"), ("served", "served"), ("xgrammar", "(xgrammar)"), ("llguidance", "(llguidance)"),
             ("na", "h-j n/a"), ("valid", "valid tried"), ("invalid", "invalid tried"),
             ("invalid_accepted", "invalid accepted"), ("valid_rejected", "valid rejected"),
+            ("valid_rejected_format", "valid rejected: stricter format"),
             ("samples", "grammar samples"), ("samples_invalid", "samples invalid"), ("bounded", "bounded"),
             ("moved", "moved"), ("before_invalid_accepted", "before: invalid accepted"),
             ("before_valid_rejected", "before: valid rejected")]

@@ -203,3 +203,26 @@ def test_repeated_names_are_counted_as_invalid_texts(compiler):
         assert g.accepts('{"a": 1, "b": 2}') and not g.accepts('{"a": 1, "a": 1}')
         rec = gs.check_instances(g, v, [{"a": 1, "b": 2}], [], schema)
         assert (rec["invalid"], rec["invalid_accepted"], rec["valid_rejected"]) == (1, 0, 0), backend
+
+
+def test_valid_rejected_by_a_format_kept_stricter_than_the_draft_is_counted_apart(compiler):
+    """Under draft 7 ``format: uuid`` is an annotation (any string is valid); the server enforces
+    it anyway (as 2019-09 does): such a rejection is counted apart from ``valid_rejected``, and one
+    the stricter format does not explain still counts there."""
+    tok, gc = compiler
+    schema = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "string", "format": "uuid"}
+    g = gs.Grammar(gc, tok, schema)
+    v = gs.validator(schema)
+    assert gs.is_valid(v, "not a uuid") and not g.accepts('"not a uuid"')
+    rec = gs.check_instances(g, v, ["not a uuid", "123e4567-e89b-12d3-a456-426614174000"], [], schema)
+    assert (rec["valid_rejected"], rec["valid_rejected_format"]) == (0, 1)
+    assert gs.stricter_validator({"type": "string", "format": "uuid"}) is None   # 2020-12 checks it
+
+    class TakesNothing:
+        def accepts(self, text):
+            return False
+
+        def guided(self, x):
+            return None
+    rec = gs.check_instances(TakesNothing(), v, ["123e4567-e89b-12d3-a456-426614174000"], [], schema)
+    assert (rec["valid_rejected"], rec["valid_rejected_format"]) == (1, 0)
