@@ -187,6 +187,12 @@ MOVED_TO_LLGUIDANCE = [
      '"Z1K1"', '"434602470600400302K144"'),   # a grammar sample of xgrammar's (bench.grammar_soundness)
     ({"type": "string", "pattern": "^-?P([0-9]+Y)?([0-9]+M)?([0-9]+D)?(T([0-9]+H)?([0-9]+M)?([0-9]+S)?)?$"},
      "optional group that starts or ends with a repeated atom", '"P1Y2DT3H"', '"-P9"'),   # JSONSchemaBench's ISO 8601 duration
+    # an optional group ending with a bounded variable count: xgrammar took "...:570" (Github_medium #1452)
+    ({"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\\.[0-9]{1,4})?$"},
+     "optional group that starts or ends with a repeated atom", '"2026-12-07T06:45:00.25"', '"2026-12-07T06:45:570"'),
+    # semver's build part ends with a group that ends with *: xgrammar took "1.0.0.a" (JsonSchemaStore's semver)
+    ({"type": "string", "pattern": "^(0|[1-9]\\d*)\\.(0|[1-9]\\d*)\\.(0|[1-9]\\d*)(?:\\+([0-9a-z-]+(?:\\.[0-9a-z-]+)*))?$"},
+     "optional group that starts or ends with a repeated atom", '"1.0.0+b.7"', '"1.0.0.a"'),
     # a property named like a pattern: xgrammar took the key as any other (its schema unchecked)
     ({"type": "object", "properties": {"^\\w+$": {"type": "object", "properties": {"col": {"type": "number"}},
                                                  "required": ["col"]}}},
@@ -568,8 +574,12 @@ def test_optional_group_with_repeated_end_detector():
     from replicas.grammar import optional_group_with_repeated_end as f
     assert all(f(p) for p in (r"^(ab*)?c$", r"^([ZB][1-9][0-9]*)?K[1-9][0-9]*$", r"^(a|b[0-9]*)?K$", r"^(ab{2,})?c$",
                               r"^x(a+b)?$", r"^-?P([0-9]+Y)?([0-9]+M)?([0-9]+D)?(T([0-9]+H)?([0-9]+M)?([0-9]+S)?)?$"))
+    assert all(f(p) for p in (r"^a(x0{1,2})?$", r"^a(x0{0,2})?$", r"^a(x0{2,})?$", r"^a(x(0{1,2}))?$",
+                              r"^a(x(?:0{1,2})?)?$", r"^a(x0{1,3}?)?$", r"^a(x0{1,2}|a)?$", r"^a(x0{1,2})??$",
+                              r"^1(\+a(\.a)*)?$"))
     assert not any(f(p) for p in (r"^(a[0-9]*b)?c$", r"^(ab{2})?c$", r"^x(ab*)*c$", r"^(\d{1,3}x)?$", r"^(ab)?c$",
-                                  r"^x(a+b)*$"))
+                                  r"^x(a+b)*$", r"^a(x0?)?$", r"^a(x0{0,1})?$", r"^a(x0{1,2}a)?$", r"^a(x\{1,2\})?$",
+                                  r"^a(x0{1,2})+$"))
 
 
 def test_pattern_optional_group_really_breaks_in_xgrammar(engine):
@@ -582,6 +592,10 @@ def test_pattern_optional_group_really_breaks_in_xgrammar(engine):
     m = xgr.GrammarMatcher(c.compile_json_schema(_json.dumps({"type": "string", "pattern": "^v(x*j)?$"}),
                                                  any_whitespace=False))
     assert m.accept_string('"vx"') and (m.is_terminated() or m.accept_token(engine.tokenizer.eos_token_id))
+    for pattern, text in (("^a(x0{1,2})?$", '"a0"'), ("^1(\\+a(\\.a)*)?$", '"1.a"')):   # (not matches)
+        m = xgr.GrammarMatcher(c.compile_json_schema(_json.dumps({"type": "string", "pattern": pattern}),
+                                                     any_whitespace=False))
+        assert m.accept_string(text) and (m.is_terminated() or m.accept_token(engine.tokenizer.eos_token_id)), pattern
 
 
 def test_pattern_whitespace_is_ecma_262s_on_both_backends(engine):
