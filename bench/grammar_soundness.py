@@ -87,15 +87,42 @@ def _hypothesis_jsonschema_compat() -> None:
     fs.cu, fs._compat = _CU(), True
 
 
+def _ecma_end(pattern: str) -> str:
+    """``pattern`` with every ``$`` outside a class written ``\\Z``: ECMA-262's ``$`` (without the
+    multiline flag) matches only at the end of the input, Python's also before a final newline
+    (``^[a-z]+$`` took ``"abc\\n"``)."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = ch != "]" or (out and out[-1] in ("[", "[^"))
+        elif ch == "[":
+            in_class = True
+            if pattern.startswith("[^", i):
+                out.append("[^")
+                i += 2
+                continue
+        elif ch == "$":
+            ch = "\\Z"
+        out.append(ch)
+        i += 1
+    return "".join(out)
+
+
 def _ecma(pattern: str) -> str:
     """``pattern`` for Python's ``re`` with ``re.ASCII`` as ECMA-262 reads it: ``\\w``, ``\\d``,
     ``\\b`` ASCII-only (the flag), ``\\s`` ECMA's WhiteSpace and LineTerminator (which add
-    U+00A0, U+FEFF, U+2028 ... to ASCII's)."""
+    U+00A0, U+FEFF, U+2028 ... to ASCII's), ``$`` at the very end only (:func:`_ecma_end`)."""
     from replicas.grammar import ecma_whitespace
     try:
-        return ecma_whitespace(pattern)
+        pattern = ecma_whitespace(pattern)
     except ValueError:   # \S in a class: ASCII's reading
-        return pattern
+        pass
+    return _ecma_end(pattern)
 
 
 def _ecma_pattern(validator, pattern, instance, schema):

@@ -226,3 +226,12 @@ def test_valid_rejected_by_a_format_kept_stricter_than_the_draft_is_counted_apar
             return None
     rec = gs.check_instances(TakesNothing(), v, ["123e4567-e89b-12d3-a456-426614174000"], [], schema)
     assert (rec["valid_rejected"], rec["valid_rejected_format"]) == (1, 0)
+
+
+def test_reference_reads_dollar_as_ecma():
+    """ECMA-262's ``$`` matches at the end only; Python's also before a final newline, so the
+    reference took ``"abc\\n"`` for ``^[a-z]+$`` (hypothesis draws such strings from patterns)."""
+    v = gs.validator({"type": "string", "pattern": "^[a-z]+$"})
+    assert gs.is_valid(v, "abc") and not gs.is_valid(v, "abc\n")
+    assert gs.is_valid(gs.validator({"type": "string", "pattern": "^[$]x$"}), "$x")
+    assert gs._ecma_end(r"a\$[]$]$") == r"a\$[]$]\Z"
