@@ -529,6 +529,22 @@ def _negated_class_ranges(text: str) -> list[tuple[int, int]] | None:
     return _invert(ranges)
 
 
+def _positive_class_ranges(text: str) -> list[tuple[int, int]] | None:
+    """The code points a positive class ``[...]`` (its source ``text``, as users write it:
+    ``[\\x00-\\x1f]``, ``[\\u0000-\\u0020\\w]``) matches in *every* reading (the narrowest), or
+    None where Python's parser cannot read it."""
+    try:
+        parsed = list(_p.parse(text))
+    except (re.error, RecursionError, OverflowError):
+        return None
+    if len(parsed) != 1 or parsed[0][0] is not _c.IN or not parsed[0][1] or parsed[0][1][0][0] is _c.NEGATE:
+        return None
+    try:
+        return _class(parsed[0][1], narrow=True) or None
+    except Unsupported:
+        return None
+
+
 _EXPLICIT_ITEM = re.compile(r"\\x\{([0-9A-Fa-f]{1,6})\}|\\([^A-Za-z0-9])|([^\\\[\]\-])")
 
 
@@ -591,7 +607,8 @@ def explicit_negated_classes(pattern: str) -> str:
             out.append(pattern[i:])
             break
         text = pattern[i:j + 1]
-        ranges = _negated_class_ranges(text) if negated else _explicit_class_ranges(text)
+        ranges = _negated_class_ranges(text) if negated else (_explicit_class_ranges(text)
+                                                                 or _positive_class_ranges(text))
         if ranges and not all(any(a <= q <= b for a, b in ranges) for q in (0x22, 0x5C)) and (
                 negated or _covers(ranges, 0, 0x1F)):
             out.append(_class_regex(ranges))
