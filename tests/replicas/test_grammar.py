@@ -190,6 +190,8 @@ MOVED_TO_LLGUIDANCE = [
     # an optional group ending with a bounded variable count: xgrammar took "...:570" (Github_medium #1452)
     ({"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\\.[0-9]{1,4})?$"},
      "optional group that starts or ends with a repeated atom", '"2026-12-07T06:45:00.25"', '"2026-12-07T06:45:570"'),
+    # an alternation holding a bounded repeat: xgrammar took "0000" (a random pattern against Python's re)
+    ({"type": "string", "pattern": "^(0{1,2}|0)$"}, "alternation holding a bounded repeat", '"00"', '"0000"'),
     # semver's build part ends with a group that ends with *: xgrammar took "1.0.0.a" (JsonSchemaStore's semver)
     ({"type": "string", "pattern": "^(0|[1-9]\\d*)\\.(0|[1-9]\\d*)\\.(0|[1-9]\\d*)(?:\\+([0-9a-z-]+(?:\\.[0-9a-z-]+)*))?$"},
      "optional group that starts or ends with a repeated atom", '"1.0.0+b.7"', '"1.0.0.a"'),
@@ -582,6 +584,12 @@ def test_optional_group_with_repeated_end_detector():
                                   r"^a(x0{1,2})+$"))
 
 
+def test_alternation_with_bounded_repeat_detector():
+    from replicas.grammar import alternation_with_bounded_repeat as f
+    assert all(f(p) for p in (r"^(0{1,2}|0)$", r"0{1,2}|0", r"^(a|0{1,2}|0)$", r"^(00{0,1}|0)$", r"^x(a|(b{2,3}))$"))
+    assert not any(f(p) for p in (r"^0{1,2}$", r"^(0{2}|0)$", r"^(0+|0)$", r"^(a|b)0{1,2}$", r"^(a|\{1,2\})$"))
+
+
 def test_pattern_optional_group_really_breaks_in_xgrammar(engine):
     """Keeps the refusal honest: if a later xgrammar accepts only matching strings, this fails and
     the refusal can go."""
@@ -592,7 +600,8 @@ def test_pattern_optional_group_really_breaks_in_xgrammar(engine):
     m = xgr.GrammarMatcher(c.compile_json_schema(_json.dumps({"type": "string", "pattern": "^v(x*j)?$"}),
                                                  any_whitespace=False))
     assert m.accept_string('"vx"') and (m.is_terminated() or m.accept_token(engine.tokenizer.eos_token_id))
-    for pattern, text in (("^a(x0{1,2})?$", '"a0"'), ("^1(\\+a(\\.a)*)?$", '"1.a"')):   # (not matches)
+    for pattern, text in (("^a(x0{1,2})?$", '"a0"'), ("^1(\\+a(\\.a)*)?$", '"1.a"'),   # (not matches)
+                          ("^(0{1,2}|0)$", '"0000"')):
         m = xgr.GrammarMatcher(c.compile_json_schema(_json.dumps({"type": "string", "pattern": pattern}),
                                                      any_whitespace=False))
         assert m.accept_string(text) and (m.is_terminated() or m.accept_token(engine.tokenizer.eos_token_id)), pattern
