@@ -13,6 +13,9 @@ compared with the reference (:func:`bench.grammar_soundness.validator`: Python's
 ECMA-262). Exhaustive over short strings, so a wrong verdict is found wherever it shows within
 that length.
 
+With ``--negate`` each pattern is checked as ``{"type": "string", "not": {"pattern": P}}``: the
+complement the server writes for llguidance (``replicas/regex_complement.py``), or its refusal.
+
 ``jsonschemabench``: every distinct ``pattern`` of JSONSchemaBench the same way, on strings drawn
 from it (hypothesis ``from_regex``) and mutations of those (a character dropped, added, replaced;
 a prefix).
@@ -102,11 +105,13 @@ def check(g, v, strings) -> dict:
     return r
 
 
-def one(compiler, tok, pattern: str, strings, seconds: float) -> dict:
-    """The record of one pattern (status served / refused / bounded, backend, counts, examples)."""
+def one(compiler, tok, pattern: str, strings, seconds: float, negate: bool = False) -> dict:
+    """The record of one pattern (status served / refused / bounded, backend, counts, examples);
+    ``negate``: the schema ``{"type": "string", "not": {"pattern": P}}`` (the complement the
+    server writes on automata, ``replicas/regex_complement.py``)."""
     from bench.grammar_soundness import Grammar, validator
     from replicas.errors import GrammarCompileError
-    schema = {"type": "string", "pattern": pattern}
+    schema = {"type": "string", "not": {"pattern": pattern}} if negate else {"type": "string", "pattern": pattern}
     rec = {"pattern": pattern}
     try:
         g = Grammar(compiler, tok, schema)
@@ -212,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, help="jsonschemabench: the first N distinct patterns")
     ap.add_argument("--draws", type=int, default=12, help="jsonschemabench: strings drawn per pattern")
     ap.add_argument("--pattern-s", type=float, default=30.0, help="wall-time bound per pattern")
+    ap.add_argument("--negate", action="store_true", help='each pattern as {"not": {"pattern": P}}')
     ap.add_argument("--json", type=Path, help="the summary and the records of patterns not served or with a wrong verdict")
     a = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -227,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         source = lambda p, i: (lambda: drawn_strings(p, a.draws, i))   # noqa: E731
     records, t0 = [], time.perf_counter()
     for i, p in enumerate(patterns):
-        records.append(one(compiler, tok, p, source(p, i), a.pattern_s))
+        records.append(one(compiler, tok, p, source(p, i), a.pattern_s, negate=a.negate))
         r = records[-1]
         if r.get("invalid_accepted"):
             print(f"invalid accepted ({r['backend']}): {p!r}: {r['examples']['invalid accepted']}", flush=True)

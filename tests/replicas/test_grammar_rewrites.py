@@ -146,10 +146,10 @@ IDIOMS = [
     # (replicas/regex_complement.py, explicit_negated_classes)
     ("negated class leaving out a quote",
      {"type": "string", "pattern": '^[^"]+$'},
-     ["ab", "a\\b", "é"], ['a"b', '"']),
+     ["ab", "a\\b", "é", "a\tb", "\n\u001f"], ['a"b', '"']),   # (control characters but U+0000 kept: stop 43)
     ("negated class leaving out a backslash",
      {"type": "string", "pattern": "^[^\\\\]+$"},
-     ['a"b', "x"], ["a\\b", "\\"]),
+     ['a"b', "x", "\t"], ["a\\b", "\\"]),
     ("positive class of every control character and the space, written with \\x escapes",
      {"type": "string", "pattern": "^a[\\x00-\\x20]b$"},
      ["a b"], ['a"b', "a\\b"]),
