@@ -79,14 +79,6 @@ def _texts(s: str) -> list[str]:
     return [text] + ([text.replace("\x7f", "\\u007f")] if "\x7f" in text else [])
 
 
-class _Timeout(Exception):
-    pass
-
-
-def _on_alarm(*_):
-    raise _Timeout
-
-
 def check(g, v, strings) -> dict:
     """Each string's verdict by grammar ``g`` against reference validator ``v``."""
     from bench.grammar_soundness import is_valid
@@ -109,7 +101,7 @@ def one(compiler, tok, pattern: str, strings, seconds: float, negate: bool = Fal
     """The record of one pattern (status served / refused / bounded, backend, counts, examples);
     ``negate``: the schema ``{"type": "string", "not": {"pattern": P}}`` (the complement the
     server writes on automata, ``replicas/regex_complement.py``)."""
-    from bench.grammar_soundness import Grammar, validator
+    from bench.grammar_soundness import Grammar, _alarm, _Timeout, validator
     from replicas.errors import GrammarCompileError
     schema = {"type": "string", "not": {"pattern": pattern}} if negate else {"type": "string", "pattern": pattern}
     rec = {"pattern": pattern}
@@ -122,15 +114,14 @@ def one(compiler, tok, pattern: str, strings, seconds: float, negate: bool = Fal
         v.is_valid("")
     except Exception as e:   # a pattern Python's re cannot read: no reference
         return {**rec, "status": "no reference", "backend": g.backend, "reason": str(e)[:160]}
-    signal.signal(signal.SIGALRM, _on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    _alarm(seconds)
     status = "served"
     try:
         r = check(g, v, strings() if callable(strings) else strings)
     except _Timeout:
         status, r = "bounded", {"strings": 0, "invalid_accepted": [], "valid_rejected": []}
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.setitimer(signal.ITIMER_PROF, 0)
     control = sum(any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in s) for s in r["valid_rejected"])
     return {**rec, "status": status, "backend": g.backend, "strings": r["strings"],
             "invalid_accepted": len(r["invalid_accepted"]), "valid_rejected": len(r["valid_rejected"]),
@@ -216,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-len", type=int, default=4, help="random: every string up to this length")
     ap.add_argument("--limit", type=int, help="jsonschemabench: the first N distinct patterns")
     ap.add_argument("--draws", type=int, default=12, help="jsonschemabench: strings drawn per pattern")
-    ap.add_argument("--pattern-s", type=float, default=30.0, help="wall-time bound per pattern")
+    ap.add_argument("--pattern-s", type=float, default=30.0, help="CPU-time bound per pattern")
     ap.add_argument("--negate", action="store_true", help='each pattern as {"not": {"pattern": P}}')
     ap.add_argument("--json", type=Path, help="the summary and the records of patterns not served or with a wrong verdict")
     a = ap.parse_args(argv)

@@ -281,19 +281,30 @@ def _groups(pattern: str):
         for i, j in _top_level_atoms(p):
             if p[i] != "(":
                 continue
-            body = p[i + 1:j - 1]
-            if body.startswith("?:"):
-                body = body[2:]
-            elif body.startswith("?<") and body[2:3] not in ("=", "!"):  # a named group
-                body = body[body.find(">") + 1:]
-            alts, start = [], 0
-            for k, m in _top_level_atoms(body):
-                if body[k] == "|":
-                    alts.append(body[start:k])
-                    start = m
-            alts.append(body[start:])
-            yield p, j, alts
+            body = _group_body(p[i:j])
+            yield p, j, _split_alternatives(body)
             stack.append(body)
+
+
+def _group_body(group: str) -> str:
+    """The body of group text ``(...)``, a non-capturing or named group's prefix removed."""
+    body = group[1:-1]
+    if body.startswith("?:"):
+        return body[2:]
+    if body.startswith("?<") and body[2:3] not in ("=", "!"):  # a named group
+        return body[body.find(">") + 1:]
+    return body
+
+
+def _split_alternatives(body: str) -> list[str]:
+    """``body`` split at its top-level ``|``."""
+    alts, start = [], 0
+    for k, m in _top_level_atoms(body):
+        if body[k] == "|":
+            alts.append(body[start:k])
+            start = m
+    alts.append(body[start:])
+    return alts
 
 
 def optional_group_starting_optional(pattern: str) -> bool:
@@ -350,18 +361,8 @@ def _ends_variable(alt: str, depth: int = 0) -> bool:
         return True
     if alt[start] != "(":
         return False
-    body = alt[start + 1:len(alt) - len(quantifier) - 1]
-    if body.startswith("?:"):
-        body = body[2:]
-    elif body.startswith("?<") and body[2:3] not in ("=", "!"):
-        body = body[body.find(">") + 1:]
-    alts, begin = [], 0
-    for k, m in _top_level_atoms(body):
-        if body[k] == "|":
-            alts.append(body[begin:k])
-            begin = m
-    alts.append(body[begin:])
-    return any(_ends_variable(a, depth + 1) for a in alts)
+    body = _group_body(alt[start:len(alt) - len(quantifier)])
+    return any(_ends_variable(a, depth + 1) for a in _split_alternatives(body))
 
 
 def optional_group_with_repeated_end(pattern: str) -> bool:
@@ -402,7 +403,7 @@ def alternation_with_bounded_repeat(pattern: str) -> bool:
         return any(hi != "" and int(lo or 0) < int(hi) for lo, hi in _VARIABLE_BRACE.findall(text))
     if not variable(pattern):
         return False
-    if any(pattern[i] == "|" for i, _ in _top_level_atoms(pattern)):
+    if len(_split_alternatives(pattern)) > 1:
         return True
     return any(len(alts) > 1 and any(map(variable, alts)) for _, _, alts in _groups(pattern))
 

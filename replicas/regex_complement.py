@@ -505,9 +505,10 @@ def pattern_misses(pattern: str, value: str) -> bool:
         return False
 
 
-def _negated_class_ranges(text: str) -> list[tuple[int, int]] | None:
-    """The code points a negated class ``[^...]`` (its source ``text``) matches in *every* reading
-    (the complement of the union of the readings of what it lists), or None where it cannot say."""
+def _class_text_ranges(text: str, negated: bool) -> list[tuple[int, int]] | None:
+    """The code points a class ``[...]`` / ``[^...]`` (its source ``text``, as users write it:
+    ``[\\x00-\\x1f]``, ``[^"\\w]``) matches in *every* reading (:func:`_class`, narrowest), or
+    None where Python's parser cannot read it or it is not a class of that kind."""
     try:
         parsed = list(_p.parse(text))
     except (re.error, RecursionError, OverflowError):
@@ -515,35 +516,12 @@ def _negated_class_ranges(text: str) -> list[tuple[int, int]] | None:
     if len(parsed) != 1:
         return None
     op, av = parsed[0]
-    if op is _c.NOT_LITERAL:
+    if op is _c.NOT_LITERAL and negated:
         return _invert([(av, av)])
-    if op is not _c.IN or not av or av[0][0] is not _c.NEGATE:
-        return None
-    ranges = []
-    for item_op, item in av[1:]:
-        if item_op is _c.LITERAL:
-            ranges.append((item, item))
-        elif item_op is _c.RANGE:
-            ranges.append(item)
-        elif item_op is _c.CATEGORY and item in _CATEGORY:
-            ranges += _category(item)[0]
-        else:
-            return None
-    return _invert(ranges)
-
-
-def _positive_class_ranges(text: str) -> list[tuple[int, int]] | None:
-    """The code points a positive class ``[...]`` (its source ``text``, as users write it:
-    ``[\\x00-\\x1f]``, ``[\\u0000-\\u0020\\w]``) matches in *every* reading (the narrowest), or
-    None where Python's parser cannot read it."""
-    try:
-        parsed = list(_p.parse(text))
-    except (re.error, RecursionError, OverflowError):
-        return None
-    if len(parsed) != 1 or parsed[0][0] is not _c.IN or not parsed[0][1] or parsed[0][1][0][0] is _c.NEGATE:
+    if op is not _c.IN or not av or (av[0][0] is _c.NEGATE) != negated:
         return None
     try:
-        return _class(parsed[0][1], narrow=True) or None
+        return _class(av, narrow=True) or None
     except Unsupported:
         return None
 
@@ -610,8 +588,7 @@ def explicit_negated_classes(pattern: str) -> str:
             out.append(pattern[i:])
             break
         text = pattern[i:j + 1]
-        ranges = _negated_class_ranges(text) if negated else (_explicit_class_ranges(text)
-                                                                 or _positive_class_ranges(text))
+        ranges = (_explicit_class_ranges(text) if not negated else None) or _class_text_ranges(text, negated)
         if ranges and not all(any(a <= q <= b for a, b in ranges) for q in (0x22, 0x5C)) and (
                 negated or _covers(ranges, 0, 0x1F)):
             out.append(_class_regex(ranges))
