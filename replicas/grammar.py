@@ -802,12 +802,14 @@ _REWRITTEN = ("not", "if", "then", "else", "uniqueItems", "propertyNames")
 def _rewrite_keywords(schema: Any) -> None:
     """``not``, ``if`` / ``then`` / ``else``, ``uniqueItems``, ``propertyNames`` in keywords
     llguidance enforces, in place, where that can be written exactly (``replicas/schema_not.py``,
-    ``replicas/schema_collections.py``); the others are left (llguidance refuses them)."""
-    from replicas.schema_collections import (drop_properties_patterns_cover, rewrite_property_names,
-                                             rewrite_unique_items)
+    ``replicas/schema_collections.py``); the others are left (llguidance refuses them). Finite
+    ``patternProperties`` of a closed object become declared names (each then written once)."""
+    from replicas.schema_collections import (drop_properties_patterns_cover, rewrite_finite_pattern_properties,
+                                             rewrite_property_names, rewrite_unique_items)
     from replicas.schema_not import rewrite_all, rewrite_if, rewrite_if_chain, rewrite_not
     rewrite_all(schema, _walk, (rewrite_if, rewrite_not, rewrite_unique_items, rewrite_property_names,
-                                drop_properties_patterns_cover), (rewrite_if_chain,))
+                                rewrite_finite_pattern_properties, drop_properties_patterns_cover),
+                (rewrite_if_chain,))
 
 
 def _legacy_draft(schema: Any) -> bool:

@@ -22,6 +22,9 @@ grammar can check uniqueness, and it stays refused.
   (only where ``S`` is trivial or no declared name matches P, and the node has no
   ``patternProperties`` of its own: their names would escape P).
 
+Under ``additionalProperties: false``, a ``patternProperties`` pattern that matches finitely many
+names becomes those names' declared properties (:func:`rewrite_finite_pattern_properties`).
+
 A name's match is decided here with Python's ``re`` (Unicode and ASCII alike, else refused).
 """
 
@@ -214,3 +217,50 @@ def drop_properties_patterns_cover(node: dict, root: Any) -> bool:
     for name in drop:
         del props[name]
     return bool(drop)
+
+
+MAX_PATTERN_NAMES = 64   # names the finite patternProperties of one object are written out as
+
+
+def rewrite_finite_pattern_properties(node: dict, root: Any) -> bool:
+    """Under ``additionalProperties: false``, each ``patternProperties`` pattern that matches
+    finitely many names (at most :data:`MAX_PATTERN_NAMES` for the object;
+    :func:`replicas.regex_complement.finite_names`) written as those names' declared, optional
+    ``properties``, in place: each with the ``allOf`` of its ``properties`` entry and the schemas
+    of every pattern matching it (the instances are the same). The grammar then writes each name
+    at most once by itself; left as a pattern, a name written twice is refused only at its closing
+    quote (``replicas/name_checks.py``), where a closed object may allow nothing else: the output
+    is cut mid-object (JSONSchemaBench Github_easy #1551, ``^line[1-3]$``, the model writing
+    ``line3`` again). A name only some regex reading matches is not produced (module
+    ``replicas.regex_complement``). False (unchanged) where no pattern is finite, or a remaining
+    pattern's readings disagree on a written name."""
+    from replicas.regex_complement import finite_names, search_in_every_reading
+    patterns, props = node.get("patternProperties"), node.get("properties", {})
+    if node.get("additionalProperties") is not False or not isinstance(patterns, dict) or not patterns \
+            or not isinstance(props, dict):
+        return False
+    finite, names = [], []
+    for pattern in patterns:
+        found = finite_names(pattern, MAX_PATTERN_NAMES) if isinstance(pattern, str) else None
+        if found is not None:
+            finite.append(pattern)
+            names += [n for n in found if n not in names]
+    if not finite or len(names) > MAX_PATTERN_NAMES:
+        return False
+    new = dict(props)
+    for name in names:
+        parts = [props[name]] if name in props else []
+        for pattern, schema in patterns.items():
+            hit = True if pattern in finite and name in finite_names(pattern, MAX_PATTERN_NAMES) else \
+                search_in_every_reading(pattern, name)
+            if hit is None:
+                return False
+            if hit:
+                parts.append(schema)
+        parts = [p for p in parts if not _trivial(p)]
+        new[name] = parts[0] if len(parts) == 1 else {"allOf": parts} if parts else {}
+    node["properties"] = new
+    node["patternProperties"] = {p: s for p, s in patterns.items() if p not in finite}
+    if not node["patternProperties"]:
+        del node["patternProperties"]
+    return True

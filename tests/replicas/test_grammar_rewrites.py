@@ -172,6 +172,18 @@ IDIOMS = [
     ("overlapping patternProperties split into disjoint regions",
      {"type": "object", "patternProperties": {"^a": INT, "b$": {"minimum": 0}}, "additionalProperties": False},
      [{"ab": 1, "a": -1, "b": 0.5}], [{"ab": -1}, {"ab": 0.5}, {"c": 1}]),
+    ("finite patternProperties in a closed object written as declared names (Github_easy #1551)",
+     {"type": "object", "properties": {"city": STR}, "patternProperties": {"^line[1-3]$": STR},
+      "additionalProperties": False, "required": ["city", "line1"]},
+     [{"city": "a", "line1": "x"}, {"city": "a", "line3": "z", "line1": "x", "line2": "y"}],
+     [{"city": "a"}, {"city": "a", "line1": 1}, {"city": "a", "line1": "x", "line4": "w"},
+      {"city": "a", "line1": "x", "line": "w"}]),
+    ("finite patterns beside an infinite one and a declared name they match: every schema applies",
+     {"type": "object", "properties": {"a1": {"maximum": 5}},
+      "patternProperties": {"^a[0-9]$": INT, "^(a1|b)$": {"minimum": 0}, "^c[0-9]+$": STR, "1$": {"minimum": 1}},
+      "additionalProperties": False},
+     [{"a1": 3, "b": 2, "a2": -4, "c12": "s", "d1": 3}, {"b": 0.5}, {"a1": 5}],
+     [{"a1": 6}, {"a1": 0}, {"a1": 2.5}, {"b": -1}, {"a2": "s"}, {"c1": 1}, {"d1": 0}, {"d": 1}]),
 ]
 
 

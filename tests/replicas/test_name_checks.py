@@ -115,3 +115,21 @@ def test_tool_arguments_names_checked_inside_calls_only(engine, schema):
                  call % '{"a": 1}' + "\n" + call % '{"a": 1}'):   # (the same names in two calls)
         assert _accepts(engine.grammar.matcher_of(engine.grammar.compile(spec)), engine.tokenizer, good)
         assert _accepts(engine.grammar.matcher(spec), engine.tokenizer, good), good
+
+
+def test_closed_object_of_finite_pattern_names_never_reaches_a_dead_end(engine):
+    """JSONSchemaBench Github_easy #1551: with ``^line[1-3]$`` left as a pattern, once every line
+    was written the grammar still allowed ``, "line3``, the name check refused its closing quote and
+    only EOS was left (output cut mid-object). Written as declared names, each is written once and
+    the object can always close."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}},
+              "patternProperties": {"^line[1-3]$": {"type": "string"}}, "additionalProperties": False,
+              "required": ["city", "line1"]}
+    spec = GrammarSpec("json_schema", schema)
+    matcher = engine.grammar.matcher(spec)
+    prefix = '{"city": "a", "line1": "x", "line2": "y", "line3": "z"'
+    for t in engine.tokenizer(prefix, add_special_tokens=False)["input_ids"]:
+        assert matcher.accept_token(t)
+    assert not matcher.accept_string(', "line')      # no name is left to write
+    assert _accepts(engine.grammar.matcher(spec), engine.tokenizer, prefix + "}")
+    assert _accepts(engine.grammar.matcher(spec), engine.tokenizer, '{"city": "a", "line1": "x", "line3": "z"}')

@@ -181,3 +181,19 @@ def test_lookaheads_elsewhere_left(pattern):
     from replicas.regex_complement import without_lookaheads
     with pytest.raises(Unsupported):
         without_lookaheads(pattern)
+
+
+@pytest.mark.parametrize("pattern,names", [
+    (r"^line[1-3]$", ["line1", "line2", "line3"]),
+    (r"^(foo|bar)?$", ["", "bar", "foo"]),
+    (r"^\d$", list("0123456789")),           # Python's Unicode digits are not every reading's
+    (r"^[a-c]{2}$", ["aa", "ab", "ac", "ba", "bb", "bc", "ca", "cb", "cc"]),
+    (r"line[1-3]", None),                     # searched: line1 inside any text
+    (r"^x[0-9]+$", None), (r"^[^a]$", None), (r"^[a-z]{3}$", None),   # infinite, or past the limit
+    (r"^(a)\1$", None),                       # a back-reference: not read here
+])
+def test_finite_names_are_every_name_each_reading_matches(pattern, names):
+    from replicas.regex_complement import finite_names
+    assert finite_names(pattern, 64) == names
+    for name in names or ():
+        assert re.search(pattern, name) and re.search(pattern, name, re.ASCII)
