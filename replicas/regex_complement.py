@@ -870,12 +870,15 @@ def search_in_every_reading(pattern: str, name: str) -> bool | None:
         return None
 
 
-def finite_names(pattern: str, limit: int) -> list[str] | None:
+@functools.lru_cache(maxsize=1024)
+def finite_names(pattern: str, limit: int) -> tuple[str, ...] | None:
     """Every string in which ``pattern`` finds a match under every reading (module doc), shortest
     first, where there are at most ``limit`` of them (``^line[1-3]$``: ``line1``, ``line2``,
     ``line3``); None where there are more (a search not anchored at both ends has infinitely many)
     or the pattern cannot be read here. A string only some reading matches (Python's
     ``"line1\\n"``) is not listed."""
+    if length_bounds(pattern)[1] is None:
+        return None   # (unbounded: not anchored at both ends, or a free repeat; its DFA can be slow to build)
     try:
         fsm = _narrow_fsm(pattern)
         count = fsm.cardinality()
@@ -883,7 +886,7 @@ def finite_names(pattern: str, limit: int) -> list[str] | None:
         return None
     if count > limit:
         return None
-    names = list(itertools.islice(fsm.strings([]), limit + 1))
+    names = tuple(itertools.islice(fsm.strings([]), limit + 1))
     return names if len(names) == count else None
 
 

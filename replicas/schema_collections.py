@@ -239,20 +239,16 @@ def rewrite_finite_pattern_properties(node: dict, root: Any) -> bool:
     if node.get("additionalProperties") is not False or not isinstance(patterns, dict) or not patterns \
             or not isinstance(props, dict):
         return False
-    finite, names = [], []
-    for pattern in patterns:
-        found = finite_names(pattern, MAX_PATTERN_NAMES) if isinstance(pattern, str) else None
-        if found is not None:
-            finite.append(pattern)
-            names += [n for n in found if n not in names]
+    finite = {p: set(found) for p in patterns
+              if isinstance(p, str) and (found := finite_names(p, MAX_PATTERN_NAMES)) is not None}
+    names = list(dict.fromkeys(n for p in finite for n in finite_names(p, MAX_PATTERN_NAMES)))
     if not finite or len(names) > MAX_PATTERN_NAMES:
         return False
     new = dict(props)
     for name in names:
         parts = [props[name]] if name in props else []
         for pattern, schema in patterns.items():
-            hit = True if pattern in finite and name in finite_names(pattern, MAX_PATTERN_NAMES) else \
-                search_in_every_reading(pattern, name)
+            hit = name in finite[pattern] if pattern in finite else search_in_every_reading(pattern, name)
             if hit is None:
                 return False
             if hit:

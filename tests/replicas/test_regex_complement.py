@@ -184,10 +184,10 @@ def test_lookaheads_elsewhere_left(pattern):
 
 
 @pytest.mark.parametrize("pattern,names", [
-    (r"^line[1-3]$", ["line1", "line2", "line3"]),
-    (r"^(foo|bar)?$", ["", "bar", "foo"]),
-    (r"^\d$", list("0123456789")),           # Python's Unicode digits are not every reading's
-    (r"^[a-c]{2}$", ["aa", "ab", "ac", "ba", "bb", "bc", "ca", "cb", "cc"]),
+    (r"^line[1-3]$", ("line1", "line2", "line3")),
+    (r"^(foo|bar)?$", ("", "bar", "foo")),
+    (r"^\d$", tuple("0123456789")),           # Python's Unicode digits are not every reading's
+    (r"^[a-c]{2}$", ("aa", "ab", "ac", "ba", "bb", "bc", "ca", "cb", "cc")),
     (r"line[1-3]", None),                     # searched: line1 inside any text
     (r"^x[0-9]+$", None), (r"^[^a]$", None), (r"^[a-z]{3}$", None),   # infinite, or past the limit
     (r"^(a)\1$", None),                       # a back-reference: not read here
