@@ -23,7 +23,8 @@ A text is the JSON the model would write, tokenized with the embedded model's to
 token by token, then EOS. Layouts: keys in the schema's property order (the grammar writes
 declared properties in that order) with the separators the grammar allows (``", "``, ``": "``),
 the same compact, and the instance's own key order; floats also written without an exponent,
-U+007F also escaped; and, where those fail, keys in whatever order the matcher takes them
+U+007F also escaped, an object or array listed in an ``enum`` / ``const`` written compact
+(as xgrammar writes such a literal); and, where those fail, keys in whatever order the matcher takes them
 (:meth:`Grammar.guided`, which writes the text in pieces: the same bytes, other token
 boundaries).
 
@@ -467,6 +468,49 @@ def _dumps(x, compact: bool) -> str:
     return text
 
 
+def _literals(schema) -> list:
+    """The objects and arrays the schema lists as ``enum`` members or ``const`` values, anywhere."""
+    out, stack = [], [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            values = (node.get("enum") if isinstance(node.get("enum"), list) else []) + \
+                ([node["const"]] if "const" in node else [])
+            out += [v for v in values if isinstance(v, (dict, list))]
+            stack += [v for k, v in node.items() if k not in ("enum", "const")]
+        elif isinstance(node, list):
+            stack += node
+    return out
+
+
+def _compact_literals(x, literals: list):
+    """``x`` with each object or array equal to one of ``literals`` replaced by that literal
+    written compact (a raw marker): xgrammar writes an ``enum`` / ``const`` object as
+    ``{"b":1}`` inside text whose other separators are ``", "`` / ``": "``."""
+    if isinstance(x, (dict, list)):
+        for lit in literals:
+            if _same_json(x, lit):
+                return _Raw(json.dumps(lit, ensure_ascii=False, separators=(",", ":")))
+    if isinstance(x, dict):
+        return {k: _compact_literals(v, literals) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_compact_literals(v, literals) for v in x]
+    return x
+
+
+def _same_json(a, b) -> bool:
+    """JSON equality (``True`` is not ``1``; ``1`` is ``1.0``; key order aside)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_json(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same_json(p, q) for p, q in zip(a, b))
+    if isinstance(a, (dict, list)) or isinstance(b, (dict, list)):
+        return False
+    return type(a) is type(b) and a == b or isinstance(a, (int, float)) and isinstance(b, (int, float)) and a == b
+
+
 def layouts(x, schema) -> list[str]:
     """The texts tried for instance ``x`` (distinct; see the module docstring)."""
     ordered = schema_order(x, schema)
@@ -478,6 +522,9 @@ def layouts(x, schema) -> list[str]:
         if plain != y:
             texts.append(_dumps(plain, False))
     texts += [t.replace("\x7f", "\\u007f") for t in texts[:1] if "\x7f" in t]   # DEL escaped (llguidance)
+    literals = _literals(schema)
+    if literals:
+        texts.append(_dumps(_compact_literals(ordered, literals), False))
     return list(dict.fromkeys(texts))
 
 

@@ -235,3 +235,21 @@ def test_reference_reads_dollar_as_ecma():
     assert gs.is_valid(v, "abc") and not gs.is_valid(v, "abc\n")
     assert gs.is_valid(gs.validator({"type": "string", "pattern": "^[$]x$"}), "$x")
     assert gs._ecma_end(r"a\$[]$]$") == r"a\$[]$]\Z"
+
+
+def test_enum_objects_are_tried_in_xgrammar_compact_literal_layout(compiler):
+    """xgrammar writes an object listed in an ``enum`` / ``const`` compact (``{"b":1}``) inside
+    text whose other separators are ``", "`` / ``": "``: the instance is producible, so a layout
+    writes such literals that way (JSONSchemaBench Github_easy #153 counted valid rejected)."""
+    tok, gc = compiler
+    schema = {"type": "object", "additionalProperties": False, "required": ["a"],
+              "properties": {"a": {"type": "object", "enum": [{"$data": "1/x", "n": 1}]}, "b": {"type": "string"}}}
+    g = gs.Grammar(gc, tok, schema)
+    x = {"b": "s", "a": {"n": 1.0, "$data": "1/x"}}
+    texts = gs.layouts(x, schema)
+    assert '{"a": {"$data":"1/x","n":1}, "b": "s"}' in texts
+    assert all(json.loads(t) == x for t in texts)
+    assert any(g.accepts(t) for t in texts)
+    assert not any('"n":1' in t for t in gs.layouts({"a": {"$data": "1/x", "n": True}}, schema))   # true is not 1
+    rec = _check(compiler, schema)
+    _assert_sound_complete(rec, schema)
