@@ -386,7 +386,8 @@ def _expand(nodes, root):
 
 def schema_order(x, schema, root=None):
     """``x`` with each object's keys in the order its schema declares them (declared first, in
-    ``properties`` order across the schemas that apply, then the others as they were): the order
+    ``properties`` order across the schemas that apply, then names ``required`` but not declared,
+    in ``required`` order, as llguidance writes them, then the others as they were): the order
     the grammars write properties in."""
     import re
     root = schema if root is None else root
@@ -397,6 +398,9 @@ def schema_order(x, schema, root=None):
             props = n.get("properties")
             if isinstance(props, dict):
                 order += [k for k in props if k in x and k not in order]
+        for n in nodes:
+            if isinstance(n.get("required"), list):
+                order += [k for k in n["required"] if isinstance(k, str) and k in x and k not in order]
         order += [k for k in x if k not in order]
         out = {}
         for k in order:

@@ -253,3 +253,17 @@ def test_enum_objects_are_tried_in_xgrammar_compact_literal_layout(compiler):
     assert not any('"n":1' in t for t in gs.layouts({"a": {"$data": "1/x", "n": True}}, schema))   # true is not 1
     rec = _check(compiler, schema)
     _assert_sound_complete(rec, schema)
+
+
+def test_required_names_not_declared_are_laid_out_in_required_order(compiler):
+    """llguidance writes names ``required`` but not in ``properties`` in ``required`` order
+    (JSONSchemaBench Github_medium #781: 18 required type names under ``patternProperties``,
+    past the guided search's key budget in any other order)."""
+    tok, gc = compiler
+    names = [f"k{i}" for i in range(18)]
+    schema = {"type": "object", "patternProperties": {"^k[0-9]+$": {"type": "number"}},
+              "required": names[::-1], "additionalProperties": False}
+    x = {n: 1 for n in names}
+    assert list(gs.schema_order(x, schema)) == names[::-1]
+    g = gs.Grammar(gc, tok, schema)
+    assert g.backend == "llguidance" and any(g.accepts(t) for t in gs.layouts(x, schema))
