@@ -487,32 +487,19 @@ def _literals(schema) -> list:
     return out
 
 
-def _compact_literals(x, literals: list):
-    """``x`` with each object or array equal to one of ``literals`` replaced by that literal
-    written compact (a raw marker): xgrammar writes an ``enum`` / ``const`` object as
-    ``{"b":1}`` inside text whose other separators are ``", "`` / ``": "``."""
-    if isinstance(x, (dict, list)):
-        for lit in literals:
-            if _same_json(x, lit):
-                return _Raw(json.dumps(lit, ensure_ascii=False, separators=(",", ":")))
+def _compact_literals(x, literals: dict):
+    """``x`` with each object or array equal to one of ``literals`` (by
+    :func:`replicas.schema_oneof._canon`, JSON Schema's equality) replaced by that literal written
+    compact (a raw marker): xgrammar writes an ``enum`` / ``const`` object as ``{"b":1}`` inside
+    text whose other separators are ``", "`` / ``": "``."""
+    from replicas.schema_oneof import _canon
+    if isinstance(x, (dict, list)) and _canon(x) in literals:
+        return _Raw(json.dumps(literals[_canon(x)], ensure_ascii=False, separators=(",", ":")))
     if isinstance(x, dict):
         return {k: _compact_literals(v, literals) for k, v in x.items()}
     if isinstance(x, list):
         return [_compact_literals(v, literals) for v in x]
     return x
-
-
-def _same_json(a, b) -> bool:
-    """JSON equality (``True`` is not ``1``; ``1`` is ``1.0``; key order aside)."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return type(a) is type(b) and a == b
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same_json(a[k], b[k]) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same_json(p, q) for p, q in zip(a, b))
-    if isinstance(a, (dict, list)) or isinstance(b, (dict, list)):
-        return False
-    return type(a) is type(b) and a == b or isinstance(a, (int, float)) and isinstance(b, (int, float)) and a == b
 
 
 def layouts(x, schema) -> list[str]:
@@ -528,7 +515,8 @@ def layouts(x, schema) -> list[str]:
     texts += [t.replace("\x7f", "\\u007f") for t in texts[:1] if "\x7f" in t]   # DEL escaped (llguidance)
     literals = _literals(schema)
     if literals:
-        texts.append(_dumps(_compact_literals(ordered, literals), False))
+        from replicas.schema_oneof import _canon
+        texts.append(_dumps(_compact_literals(ordered, {_canon(v): v for v in literals}), False))
     return list(dict.fromkeys(texts))
 
 

@@ -62,6 +62,12 @@ def _trivial(s: Any) -> bool:
     return s is True or (isinstance(s, dict) and not (set(s) - _ANNOTATIONS))
 
 
+def _all_of(parts: list) -> Any:
+    """One schema meaning every one of ``parts`` (the trivial ones left out; ``{}`` for none)."""
+    parts = [p for p in parts if not _trivial(p)]
+    return parts[0] if len(parts) == 1 else {"allOf": parts} if parts else {}
+
+
 def _search(pattern: str, name: str) -> bool:
     """``re.search`` of ``pattern`` in ``name``, Unicode and ASCII alike (ValueError where they
     disagree or the pattern does not compile)."""
@@ -157,8 +163,7 @@ def rewrite_property_names(node: dict, root: Any) -> bool:
                 parts += matched
                 if name not in props and not matched:
                     parts.append(extra)
-                parts = [p for p in parts if not _trivial(p)]
-                new[name] = parts[0] if len(parts) == 1 else {"allOf": parts} if parts else {}
+                new[name] = _all_of(parts)
             new.update({p: False for p in props if p not in new})
             node["properties"] = new
             node.pop("patternProperties", None)
@@ -239,9 +244,8 @@ def rewrite_finite_pattern_properties(node: dict, root: Any) -> bool:
     if node.get("additionalProperties") is not False or not isinstance(patterns, dict) or not patterns \
             or not isinstance(props, dict):
         return False
-    finite = {p: set(found) for p in patterns
-              if isinstance(p, str) and (found := finite_names(p, MAX_PATTERN_NAMES)) is not None}
-    names = list(dict.fromkeys(n for p in finite for n in finite_names(p, MAX_PATTERN_NAMES)))
+    finite = {p: found for p in patterns if (found := finite_names(p, MAX_PATTERN_NAMES)) is not None}
+    names = list(dict.fromkeys(n for found in finite.values() for n in found))
     if not finite or len(names) > MAX_PATTERN_NAMES:
         return False
     new = dict(props)
@@ -253,8 +257,7 @@ def rewrite_finite_pattern_properties(node: dict, root: Any) -> bool:
                 return False
             if hit:
                 parts.append(schema)
-        parts = [p for p in parts if not _trivial(p)]
-        new[name] = parts[0] if len(parts) == 1 else {"allOf": parts} if parts else {}
+        new[name] = _all_of(parts)
     node["properties"] = new
     node["patternProperties"] = {p: s for p, s in patterns.items() if p not in finite}
     if not node["patternProperties"]:
