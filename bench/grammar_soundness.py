@@ -56,6 +56,9 @@ from bench.grammar_coverage import JSONSCHEMABENCH_DIR, _before_check
 from replicas.schema_oneof import UnresolvedRef, resolve_pointer
 
 N_VALID, N_INVALID, N_SAMPLES = 3, 6, 1
+# pieces (keys, values, separators) :meth:`Grammar.guided` writes at most for a valid instance, and for an
+# invalid one (where it only looks for a key order that lets an invalid value through: about 0.1 s)
+GUIDED_BUDGET, GUIDED_BUDGET_INVALID = 2000, 500
 
 
 # ---------------------------------------------------------------------------------- instances
@@ -560,17 +563,32 @@ class Grammar:
         ids = self._ids(text)
         return all(m.accept_token(t) for t in ids) and m.accept_token(self.eos)
 
-    def guided(self, x) -> str | None:
-        """A text of ``x`` the grammar accepts, keys in some order (None: none found): each
-        object's keys are written one at a time, the first that the matcher accepts (with its
-        whole value) next, rolling back a key that fails (layout as :func:`layouts`' first;
-        floats also plain, U+007F also escaped)."""
-        m, self._pieces = self.new(), []
-        if self._value(m, x) is not None and m.accept_token(self.eos):
-            return "".join(self._pieces)
-        return None
+    def guided(self, x, budget: int = GUIDED_BUDGET) -> str | None:
+        """A text of ``x`` the grammar accepts, keys in some order (None: none found within
+        ``budget`` pieces written): a depth-first search that writes each object's keys
+        one at a time and backtracks across the whole text, so that a key order chosen inside a
+        nested object can be undone where a later sibling fails (llguidance writes each union
+        member's keys in that member's order, and an open member may take another's keys as
+        extra ones: JsonSchemaStore #63's ``minify`` fit the ``jsBundle`` member in the order
+        written, and only its ``cssBundle`` order then took ``"outputFileName": "a.css"``).
+        Layout as :func:`layouts`' first; floats also plain, U+007F also escaped."""
+        import sys
+        m, self._pieces, self._budget = self.new(), [], [budget]
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(max(limit, 20000))
+        try:
+            found = self._value(m, x, lambda: m.accept_token(self.eos))
+        except RecursionError:
+            found = False
+        finally:
+            sys.setrecursionlimit(limit)
+        return "".join(self._pieces) if found else None
 
     def _emit(self, m, text: str) -> int | None:
+        """Tokens of ``text`` the matcher accepted (None: rejected, state as before)."""
+        self._budget[0] -= 1
+        if self._budget[0] < 0:
+            return None
         ids = self._ids(text) if text else []
         for k, t in enumerate(ids):
             if not m.accept_token(t):
@@ -579,72 +597,47 @@ class Grammar:
         self._pieces.append(text)
         return len(ids)
 
-    def _undo(self, m, n: int, mark: int) -> None:
+    def _then(self, m, text: str, cont) -> bool:
+        """Write ``text``, then ``cont()``; False: not both, state as before."""
+        mark = len(self._pieces)
+        n = self._emit(m, text)
+        if n is None:
+            return False
+        if cont():
+            return True
         m.rollback(n)
         del self._pieces[mark:]
+        return False
 
-    def _value(self, m, x) -> int | None:
-        """Tokens accepted writing ``x`` (None: not accepted, state as before)."""
-        mark = len(self._pieces)
+    def _value(self, m, x, cont) -> bool:
+        """Write ``x`` in some layout, then ``cont()``; False: no layout of ``x`` is followed by a
+        successful ``cont()``, state as before."""
         if isinstance(x, dict):
-            n = self._emit(m, "{")
-            body = None if n is None else self._members(m, x, list(x), [64])
-            if body is None:
-                if n is not None:
-                    self._undo(m, n, mark)
-                return None
-            return self._close(m, n + body, "}", mark)
+            return self._then(m, "{", lambda: self._members(m, x, list(x), lambda: self._then(m, "}", cont)))
         if isinstance(x, list):
-            n = self._emit(m, "[")
-            for j, v in enumerate(x):
-                if n is None:
-                    return None
-                sep = self._emit(m, ", " if j else "")
-                body = self._value(m, v) if sep is not None else None
-                if body is None:
-                    self._undo(m, n + (sep or 0), mark)
-                    return None
-                n += sep + body
-            return self._close(m, n, "]", mark)
-        for text in dict.fromkeys((_dumps(x, False), _dumps(_plain_floats(x), False), _dumps(x, False).replace(
-                "\x7f", "\\u007f"))):
-            n = self._emit(m, text)
-            if n is not None:
-                return n
-        return None
+            def items(j: int) -> bool:
+                if j == len(x):
+                    return self._then(m, "]", cont)
+                return self._then(m, ", " if j else "", lambda: self._value(m, x[j], lambda: items(j + 1)))
+            return self._then(m, "[", lambda: items(0))
+        texts = dict.fromkeys((_dumps(x, False), _dumps(_plain_floats(x), False),
+                               _dumps(x, False).replace("\x7f", "\\u007f")))
+        return any(self._then(m, text, cont) for text in texts)
 
-    def _members(self, m, x: dict, keys: list, budget: list) -> int | None:
-        """Tokens accepted writing the members ``keys`` of ``x`` in some order the matcher takes:
-        a depth-first search over key orders (llguidance writes a union's members' keys in each
-        member's order, so the first key accepted may lead nowhere), at most ``budget[0]`` keys
-        tried in all (None: no order found within it, state as before)."""
+    def _members(self, m, x: dict, keys: list, cont) -> bool:
+        """Write the members ``keys`` of ``x`` in some order, then ``cont()``."""
         if not keys:
-            return 0
+            return cont()
         first = len(keys) == len(x)
         for k in keys:
-            if budget[0] <= 0:
-                return None
-            budget[0] -= 1
-            key_mark = len(self._pieces)
             key = json.dumps(k, ensure_ascii=False).replace("\x7f", "\\u007f")
-            head = self._emit(m, ("" if first else ", ") + key + ": ")
-            if head is None:
-                continue
-            body = self._value(m, x[k])
-            rest = None if body is None else self._members(m, x, [j for j in keys if j != k], budget)
-            if rest is not None:
-                return head + body + rest
-            self._undo(m, head + (body or 0), key_mark)
-        return None
-
-    def _close(self, m, n: int | None, char: str, mark: int) -> int | None:
-        if n is None:
-            return None
-        c = self._emit(m, char)
-        if c is None:
-            self._undo(m, n, mark)
-            return None
-        return n + c
+            rest = [j for j in keys if j != k]
+            if self._then(m, ("" if first else ", ") + key + ": ",
+                          lambda k=k, rest=rest: self._value(m, x[k], lambda: self._members(m, x, rest, cont))):
+                return True
+            if self._budget[0] < 0:
+                return False
+        return False
 
     def sample(self, rng: random.Random, max_tokens: int = 160) -> str | None:
         """A text the grammar produces (None: no EOS within ``max_tokens``): at each step EOS if
@@ -755,7 +748,8 @@ def check_instances(g: Grammar, v, valids: list, invalids: list, schema) -> dict
         # an accepted text counts as it parses: 3.0678e+24 written as digits is an integer
         texts = layouts(x, schema) + [t for t in (escaped_names(schema_order(x, schema)),) if t is not None]
         hit = next((t for t in texts if g.accepts(t) and is_valid(v, json.loads(t)) is False), None)
-        for text in (() if hit else (g.guided(x), g.guided(schema_order(x, schema)))):
+        for text in (() if hit else (g.guided(x, GUIDED_BUDGET_INVALID),
+                                     g.guided(schema_order(x, schema), GUIDED_BUDGET_INVALID))):
             if text is not None and is_valid(v, json.loads(text)) is False:
                 hit = "(in another key order) " + text
                 break

@@ -134,6 +134,28 @@ def test_guided_searches_key_orders(compiler):
     assert g.guided({"req": "a", "other": "b"}) is None
 
 
+def test_guided_backs_up_into_a_nested_object_when_a_later_key_fails(compiler):
+    """JSONSchemaBench JsonSchemaStore #63, cut down: under a union, a nested object's keys fit
+    the open member in the order written, and only then does a later sibling (its string
+    pattern) rule that member out; the other member writes the nested keys in another order.
+    The search must undo the nested object's order, not only the outer one (a search that
+    backed up one object at a time called this valid instance rejected)."""
+    tok, gc = compiler
+    schema = {"type": "object", "required": ["f"],
+              "properties": {"m": {"type": "object"}, "f": {"type": "string"}},
+              "oneOf": [{"properties": {"m": {"properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+                                        "f": {"pattern": "\\.js$"}}},
+                        {"properties": {"m": {"properties": {"b": {"type": "integer"}},
+                                              "allOf": [{"properties": {"a": {"type": "integer"}}}]},
+                                        "f": {"pattern": "\\.css$"}}}]}
+    g = gs.Grammar(gc, tok, schema)
+    assert g.backend == "llguidance"
+    x = {"m": {"a": 1, "b": 2}, "f": "x.css"}
+    assert not any(g.accepts(t) for t in gs.layouts(x, schema))
+    assert g.guided(x) == '{"m": {"b": 2, "a": 1}, "f": "x.css"}'
+    assert g.guided({"m": {"a": 1, "b": 2}, "f": "x.txt"}) is None   # neither member: invalid
+
+
 def test_reference_reads_pattern_properties_as_ecma_in_additional_properties():
     """The reference validator reads ``\\d`` as ECMA-262 (ASCII) in the keys
     ``additionalProperties`` counts too: jsonschema's own took a key of Unicode digits as matching
