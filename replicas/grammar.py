@@ -59,7 +59,12 @@ class GrammarSpec:
             raise GrammarCompileError(f"unknown grammar kind {self.kind!r}; choose from {', '.join(KINDS)}")
 
     def key(self) -> str:
-        return self.kind + (":strict:" if self.strict else ":") + json.dumps(self.value, sort_keys=True, default=str)
+        """The compile cache's key. Keys keep the order they were written in (no ``sort_keys``):
+        both backends write an object's properties in the schema's ``properties`` order (and
+        llguidance merges ``allOf`` members in the text's order), so two schemas that differ
+        only in that order are two grammars (a sorted key served the second one the first's
+        property order)."""
+        return self.kind + (":strict:" if self.strict else ":") + json.dumps(self.value, default=str)
 
 
 # Keywords xgrammar 0.2.9 compiles but does not enforce (seen: outputs breaking them under the

@@ -695,3 +695,21 @@ def test_patterns_read_as_python_and_ecma_do(engine, pattern, bad, good):
         assert not re.search(pattern, s) and g.guided({"p": s}) is None, s
     for s in good:
         assert re.search(pattern, s) and g.guided({"p": s}) is not None, s
+
+
+def test_schemas_differing_only_in_property_order_are_two_grammars(engine):
+    """Both backends write properties in the schema's order, so the compile cache keeps key
+    order: a schema that lists the same properties in the other order got, from a sorted cache
+    key, the first one's grammar and so the first one's order."""
+    from replicas.grammar import GrammarCompiler, GrammarSpec
+    c = GrammarCompiler(engine.tokenizer, engine.model.config.vocab_size, isolate=False)
+    integer = {"type": "integer"}
+    for names in (["a", "b"], ["b", "a"]):
+        schema = {"type": "object", "properties": {n: integer for n in names}, "required": ["a", "b"],
+                  "additionalProperties": False}
+        spec = GrammarSpec("json_schema", schema)
+        c.compile(spec)
+        ordered = "{" + ", ".join(f'"{n}": 1' for n in names) + "}"
+        reverse = "{" + ", ".join(f'"{n}": 1' for n in reversed(names)) + "}"
+        assert _accepts(c.matcher(spec), engine.tokenizer, ordered), names
+        assert not _accepts(c.matcher(spec), engine.tokenizer, reverse), names
