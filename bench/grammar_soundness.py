@@ -371,19 +371,30 @@ def _resolve(root, ref: str):
 
 def _expand(nodes, root):
     """``nodes`` and every schema they stand for at the same instance ($ref, allOf / anyOf /
-    oneOf members, if / then / else)."""
-    out, stack, seen = [], list(nodes), set()
-    while stack:   # depth first, a $ref's target where the $ref is: the order the grammars merge properties in
-        n = stack.pop(0)
+    oneOf members, if / then / else), in the order llguidance merges their ``properties``: the
+    order the schema's text lists the keywords in (an ``allOf`` or ``$ref`` written before
+    ``properties`` puts its names first: JSONSchemaBench Github_medium #1854; after it, last)."""
+    out, seen = [], set()
+
+    def visit(n):
         if not isinstance(n, dict) or id(n) in seen:
-            continue
+            return
         seen.add(id(n))
-        out.append(n)
-        children = [_resolve(root, n["$ref"])] if isinstance(n.get("$ref"), str) else []
-        for k in ("allOf", "anyOf", "oneOf"):
-            if isinstance(n.get(k), list):
-                children.extend(n[k])
-        stack[:0] = children + [n.get(k) for k in ("then", "else")]
+        if "properties" not in n:
+            out.append(n)
+        for k in n:
+            if k == "properties":
+                out.append(n)
+            elif k == "$ref" and isinstance(n[k], str):
+                visit(_resolve(root, n[k]))
+            elif k in ("allOf", "anyOf", "oneOf") and isinstance(n[k], list):
+                for m in n[k]:
+                    visit(m)
+        for k in ("then", "else"):
+            visit(n.get(k))
+
+    for n in nodes:
+        visit(n)
     return out
 
 
@@ -437,8 +448,12 @@ def schema_order(x, schema, root=None):
 
 
 def _plain_floats(x):
-    """``x`` with floats that Python writes with an exponent replaced by their plain decimal
-    (as a string marker, replaced after dumping)."""
+    """``x`` with floats that Python writes with an exponent replaced by their plain decimal,
+    and integral floats below 2**53 written as integers (``-8.0`` as ``-8``: the same number to
+    JSON Schema; llguidance writes a multiple of 0.25 without ``.0``: JSONSchemaBench
+    Github_hard #659) (as a string marker, replaced after dumping)."""
+    if isinstance(x, float) and math.isfinite(x) and x.is_integer() and abs(x) < 2 ** 53:
+        return _Raw(str(int(x)))
     if isinstance(x, float) and math.isfinite(x) and "e" in repr(x):
         from decimal import Decimal
         return _Raw(format(Decimal(repr(x)), "f"))
@@ -447,6 +462,17 @@ def _plain_floats(x):
     if isinstance(x, list):
         return [_plain_floats(v) for v in x]
     return x
+
+
+def _padded(x) -> list[str]:
+    """A finite float written plain with 1 to 3 more trailing zeros (``2.5`` as ``2.50``: llguidance
+    writes a multiple of 0.25 with exactly two decimals)."""
+    if not isinstance(x, float) or not math.isfinite(x) or abs(x) >= 1e16:
+        return []
+    from decimal import Decimal
+    plain = format(Decimal(repr(x)), "f")
+    plain = plain if "." in plain else plain + "."
+    return [plain + "0" * n for n in (1, 2, 3)]
 
 
 class _Raw(str):
@@ -621,7 +647,7 @@ class Grammar:
                 return self._then(m, ", " if j else "", lambda: self._value(m, x[j], lambda: items(j + 1)))
             return self._then(m, "[", lambda: items(0))
         texts = dict.fromkeys((_dumps(x, False), _dumps(_plain_floats(x), False),
-                               _dumps(x, False).replace("\x7f", "\\u007f")))
+                               _dumps(x, False).replace("\x7f", "\\u007f"), *_padded(x)))
         return any(self._then(m, text, cont) for text in texts)
 
     def _members(self, m, x: dict, keys: list, cont) -> bool:
@@ -728,9 +754,11 @@ def check_instances(g: Grammar, v, valids: list, invalids: list, schema) -> dict
     r = {"valid": len(valids), "invalid": len(invalids), "valid_rejected": 0, "valid_rejected_format": 0,
          "invalid_accepted": 0, "examples": []}
     stricter = False
+    # a text counts as it parses (an integral float written as an integer, draft 4's integer type)
+    same = lambda t: t is not None and is_valid(v, json.loads(t)) is not False   # noqa: E731
     for x in valids:
-        if not any(g.accepts(t) for t in layouts(x, schema)) and g.guided(x) is None \
-                and g.guided(schema_order(x, schema)) is None:
+        if not any(g.accepts(t) and same(t) for t in layouts(x, schema)) and not same(g.guided(x)) \
+                and not same(g.guided(schema_order(x, schema))):
             if stricter is False:
                 stricter = stricter_validator(schema)
             kind = "valid rejected"

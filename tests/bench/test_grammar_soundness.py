@@ -45,6 +45,21 @@ def test_mutations_are_checked_invalid_and_layouts_follow_schema_order():
     assert gs.typed({"properties": {"a": {"maxLength": 2}}})["properties"]["a"]["type"] == "string"
 
 
+def test_integral_floats_are_also_written_as_integers(compiler):
+    """llguidance writes a multiple of 0.25 as ``-8`` or ``2.50``, never ``-8.0`` or ``2.5``: the
+    valid instances -8.0 and 2.5 are produced (the same numbers), and the checker tries them so
+    (JSONSchemaBench Github_hard #659's span adjustments were counted as valid rejected)."""
+    tok, gc = compiler
+    schema = {"type": "object", "properties": {"a": {"type": "number", "multipleOf": 0.25}}}
+    g = gs.Grammar(gc, tok, schema)
+    assert g.backend == "llguidance" and not g.accepts('{"a": -8.0}') and g.accepts('{"a": -8}')
+    assert not g.accepts('{"a": 2.5}') and g.guided({"a": 2.5}) == '{"a": 2.50}'
+    assert '{"a": -8}' in gs.layouts({"a": -8.0}, schema)
+    v = gs.validator(schema)
+    r = gs.check_instances(g, v, [{"a": -8.0}, {"a": 2.5}], [{"a": 1.3}], schema)   # 2.5 as 2.50
+    assert (r["valid_rejected"], r["invalid_accepted"]) == (0, 0), r
+
+
 def test_schema_order_follows_plain_name_refs():
     """A draft-4 ``$ref: "#name"`` (the node whose ``id`` is ``#name``) is followed, so the
     checker writes keys in the order the grammar does (Github_medium #467 was counted as a valid
@@ -57,6 +72,27 @@ def test_schema_order_follows_plain_name_refs():
     assert gs._resolve({"$defs": {"a": {"$anchor": "here", "type": "null"}}}, "#here") == {"$anchor": "here", "type": "null"}
     assert gs._resolve(schema, "#nowhere") is None
 
+
+
+def test_schema_order_merges_properties_in_the_text_order_of_the_keywords(compiler):
+    """llguidance merges an ``allOf``'s members' (or a ``$ref``'s target's) names before a
+    node's own ``properties`` where the schema's text lists that keyword first, after them where
+    it lists it last; the checker's key order follows (JSONSchemaBench Github_medium #1854, an
+    ``allOf`` of shared names before ``properties``, was counted as a valid instance rejected:
+    the search ran out of its budget in the order written)."""
+    tok, gc = compiler
+    prop, x = {"type": "integer"}, {"x": {"properties": {"a": {"type": "integer"}}}}
+    before = {"type": "object", "allOf": [{"properties": {"a": prop}}], "properties": {"b": prop}}
+    after = {"type": "object", "properties": {"b": prop}, "allOf": [{"properties": {"a": prop}}]}
+    ref_before = {"type": "object", "$ref": "#/definitions/x", "properties": {"b": prop}, "definitions": x}
+    ref_after = {"type": "object", "properties": {"b": prop}, "$ref": "#/definitions/x", "definitions": x}
+    for schema, order in ((before, ["a", "b"]), (after, ["b", "a"]), (ref_before, ["a", "b"]),
+                          (ref_after, ["b", "a"])):
+        ordered = gs.schema_order({"b": 2, "a": 1}, schema)
+        assert list(ordered) == order, schema
+        g = gs.Grammar(gc, tok, schema)
+        assert g.backend == "llguidance" and g.accepts(json.dumps(ordered)), schema
+        assert not g.accepts(json.dumps({k: ordered[k] for k in reversed(order)})), schema
 
 STRINGS = st.one_of(
     st.fixed_dictionaries({"type": st.just("string")}, optional={
