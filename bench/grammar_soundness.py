@@ -369,11 +369,14 @@ def _resolve(root, ref: str):
     return None
 
 
-def _expand(nodes, root):
+def _expand(nodes, root, x=None, v=None):
     """``nodes`` and every schema they stand for at the same instance ($ref, allOf / anyOf /
     oneOf members, if / then / else), in the order llguidance merges their ``properties``: the
     order the schema's text lists the keywords in (an ``allOf`` or ``$ref`` written before
-    ``properties`` puts its names first: JSONSchemaBench Github_medium #1854; after it, last)."""
+    ``properties`` puts its names first: JSONSchemaBench Github_medium #1854; after it, last).
+    With instance ``x`` and ``v`` (:func:`validator` of ``root``), only the ``anyOf`` / ``oneOf``
+    members ``x`` validates against (all where it fits none): the member the grammar writes it
+    by (JsonSchemaStore #63: a ``cssBundle``'s ``minify`` names, not a ``jsBundle``'s first)."""
     out, seen = [], set()
 
     def visit(n):
@@ -388,7 +391,10 @@ def _expand(nodes, root):
             elif k == "$ref" and isinstance(n[k], str):
                 visit(_resolve(root, n[k]))
             elif k in ("allOf", "anyOf", "oneOf") and isinstance(n[k], list):
-                for m in n[k]:
+                members = n[k]
+                if k != "allOf" and v is not None and len(members) > 1:
+                    members = [m for m in members if is_valid(v.evolve(schema=m), x)] or members
+                for m in members:
                     visit(m)
         for k in ("then", "else"):
             visit(n.get(k))
@@ -398,14 +404,19 @@ def _expand(nodes, root):
     return out
 
 
-def schema_order(x, schema, root=None):
+def schema_order(x, schema, root=None, v=None):
     """``x`` with each object's keys in the order its schema declares them (declared first, in
-    ``properties`` order across the schemas that apply, then names ``required`` but not declared,
-    in ``required`` order, as llguidance writes them, then the others as they were): the order
-    the grammars write properties in."""
+    ``properties`` order across the schemas that apply (:func:`_expand`: of a union, the members
+    ``x`` fits), then names ``required`` but not declared, in ``required`` order, as llguidance
+    writes them, then the others as they were): the order the grammars write properties in."""
     import re
-    root = schema if root is None else root
-    nodes = _expand([schema], root)
+    if root is None:
+        root = schema
+        try:
+            v = validator(root)
+        except Exception:   # a schema jsonschema cannot read: every member, as written
+            v = None
+    nodes = _expand([schema], root, x, v)
     if isinstance(x, dict):
         order = []
         for n in nodes:
@@ -428,11 +439,11 @@ def schema_order(x, schema, root=None):
                         pass
                 if not subs and isinstance(n.get("additionalProperties"), dict):
                     subs.append(n["additionalProperties"])
-            out[k] = schema_order(x[k], {"anyOf": subs} if subs else {}, root)
+            out[k] = schema_order(x[k], {"allOf": subs} if subs else {}, root, v)
         return out
     if isinstance(x, list):
         items = []
-        for i, v in enumerate(x):
+        for i, item in enumerate(x):
             subs = []
             for n in nodes:
                 prefix = n.get("prefixItems") or (n.get("items") if isinstance(n.get("items"), list) else None)
@@ -442,7 +453,7 @@ def schema_order(x, schema, root=None):
                     subs.append(n["items"])
                 elif isinstance(n.get("additionalItems"), dict):
                     subs.append(n["additionalItems"])
-            items.append(schema_order(v, {"anyOf": subs} if subs else {}, root))
+            items.append(schema_order(item, {"allOf": subs} if subs else {}, root, v))
         return items
     return x
 

@@ -187,9 +187,12 @@ def test_guided_backs_up_into_a_nested_object_when_a_later_key_fails(compiler):
     g = gs.Grammar(gc, tok, schema)
     assert g.backend == "llguidance"
     x = {"m": {"a": 1, "b": 2}, "f": "x.css"}
-    assert not any(g.accepts(t) for t in gs.layouts(x, schema))
+    assert not g.accepts(json.dumps(x))
     assert g.guided(x) == '{"m": {"b": 2, "a": 1}, "f": "x.css"}'
     assert g.guided({"m": {"a": 1, "b": 2}, "f": "x.txt"}) is None   # neither member: invalid
+    # and the key order of the schema follows the member the instance fits (the css one)
+    assert json.dumps(gs.schema_order(x, schema)) == '{"m": {"b": 2, "a": 1}, "f": "x.css"}'
+    assert g.accepts(gs.layouts(x, schema)[0])
 
 
 def test_reference_reads_pattern_properties_as_ecma_in_additional_properties():
