@@ -475,6 +475,15 @@ def _plain_floats(x):
     return x
 
 
+def _size(x) -> int:
+    """Values in ``x`` (itself, every member and item, nested)."""
+    if isinstance(x, dict):
+        return 1 + sum(_size(v) for v in x.values())
+    if isinstance(x, list):
+        return 1 + sum(_size(v) for v in x)
+    return 1
+
+
 def _padded(x) -> list[str]:
     """A finite float written plain with 1 to 3 more trailing zeros (``2.5`` as ``2.50``: llguidance
     writes a multiple of 0.25 with exactly two decimals)."""
@@ -602,7 +611,7 @@ class Grammar:
 
     def guided(self, x, budget: int = GUIDED_BUDGET) -> str | None:
         """A text of ``x`` the grammar accepts, keys in some order (None: none found within
-        ``budget`` pieces written): a depth-first search that writes each object's keys
+        ``budget`` pieces written beyond about what writing ``x`` once takes): a depth-first search that writes each object's keys
         one at a time and backtracks across the whole text, so that a key order chosen inside a
         nested object can be undone where a later sibling fails (llguidance writes each union
         member's keys in that member's order, and an open member may take another's keys as
@@ -610,7 +619,7 @@ class Grammar:
         written, and only its ``cssBundle`` order then took ``"outputFileName": "a.css"``).
         Layout as :func:`layouts`' first; floats also plain, U+007F also escaped."""
         import sys
-        m, self._pieces, self._budget = self.new(), [], [budget]
+        m, self._pieces, self._budget = self.new(), [], [budget + 4 * _size(x)]   # + writing x once
         limit = sys.getrecursionlimit()
         sys.setrecursionlimit(max(limit, 20000))
         try:
