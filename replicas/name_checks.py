@@ -242,17 +242,13 @@ class NameCheckedMatcher(TextCheckedMatcher):
         data = text.encode()
         if self._blocked(data) or not self.inner.accept_string(text):
             return False
-        self._scan.feed(data)
-        self._text += data
         # one entry per step the inner matcher's rollback counts: llguidance's tokens, or the
         # whole string for xgrammar (which takes it as one step)
         inner = self.inner
         while not hasattr(inner, "_tok") and hasattr(inner, "inner"):
             inner = inner.inner
-        if hasattr(inner, "_tok"):
-            self._lens += [len(self._bytes[t]) for t in inner._tok.tokenize_str(text)]
-        else:
-            self._lens.append(len(data))
+        self._took(data, [len(self._bytes[t]) for t in inner._tok.tokenize_str(text)] if hasattr(inner, "_tok")
+                   else [len(data)])
         return True
 
     def restrict(self, row: torch.Tensor) -> None:

@@ -196,6 +196,34 @@ def test_escaped_repeat_is_refused_and_rollback_restores(engine):
     assert m.accept_string("]}") and m.accept_token(engine.grammar.info.stop_token_ids[0])
 
 
+def test_rollback_past_many_tokens_restores_the_checks(engine):
+    """Rollback rebuilds the scans from a snapshot kept every ``MARK_EVERY`` tokens: 300 random
+    rollbacks (across snapshots too) and re-reads of a long text leave both checks (unique items,
+    one name per object) exactly where a fresh matcher fed the same tokens is."""
+    from replicas.decode_checks import MARK_EVERY
+    spec = GrammarSpec("json_schema", {"type": "object", "properties": {"n": {"type": "integer"}, "tags": TAGS}})
+    ids = _ids(engine, '{"n": 1, "tags": [' + ", ".join(f'"t{i}"' for i in range(60)))
+    assert len(ids) > 4 * MARK_EVERY
+    m, rng, pos = engine.grammar.matcher(spec), random.Random(0), 0
+    for _ in range(300):
+        step = rng.randint(0, min(pos, 3 * MARK_EVERY))
+        m.rollback(step)
+        pos -= step
+        more = rng.randint(0, len(ids) - pos)
+        assert all(m.accept_token(t) for t in ids[pos:pos + more])
+        pos += more
+        fresh = engine.grammar.matcher(spec)
+        assert all(fresh.accept_token(t) for t in ids[:pos])
+        assert (m._scan.stack, m._scan.in_str, m._scan.raw) == (fresh._scan.stack, fresh._scan.in_str, fresh._scan.raw)
+        assert m.inner._scan.stack == fresh.inner._scan.stack
+        if pos < len(ids) and rng.random() < 0.2:   # the next token: the same verdict as a fresh matcher's
+            assert m._blocked(engine.grammar._bytes_of[0][ids[pos]]) == fresh._blocked(engine.grammar._bytes_of[0][ids[pos]])
+    assert all(m.accept_token(t) for t in ids[pos:])
+    assert not m.accept_string(', "t5"')   # a repeated item
+    assert m.accept_string(', "t60"') and m.accept_string("]}")
+    assert m.accept_token(engine.grammar.info.stop_token_ids[0])
+
+
 def test_bitmask_masks_only_tokens_closing_a_repeat(engine):
     import torch
     spec = GrammarSpec("json_schema", {"type": "object", "properties": {"tags": TAGS}})
