@@ -22,11 +22,14 @@ backend ``replicas.grammar.backend_for`` picks, its fallback, or a refusal):
 A text is the JSON the model would write, tokenized with the embedded model's tokenizer and fed
 token by token, then EOS. Layouts: keys in the schema's property order (the grammar writes
 declared properties in that order) with the separators the grammar allows (``", "``, ``": "``),
-the same compact, and the instance's own key order; floats also written without an exponent,
-U+007F also escaped, an object or array listed in an ``enum`` / ``const`` written compact
-(as xgrammar writes such a literal); and, where those fail, keys in whatever order the matcher takes them
-(:meth:`Grammar.guided`, which writes the text in pieces: the same bytes, other token
-boundaries).
+the same compact, and the instance's own key order; floats also written without an exponent and
+integral ones as integers, U+007F also escaped, an object or array listed in an ``enum`` / ``const``
+written compact (as xgrammar writes such a literal); and, where those fail, keys in whatever order
+the matcher takes them, floats also with trailing zeros (:meth:`Grammar.guided`: a depth-first
+search over the whole text within a budget of pieces, which writes the text in pieces: the same
+bytes, other token boundaries). A text counts as it parses (``-8`` for ``-8.0``). The property
+order is that of :func:`schema_order`: llguidance's (the schema text's keyword order, the union
+members the instance fits).
 
 Each schema runs in one worker process (one at a time: CPU is shared), bounded by ``--schema-s``
 seconds of CPU time for generation and matching and ``--timeout-s`` for each compile; per-schema records go
