@@ -615,13 +615,14 @@ class Grammar:
 
     def guided(self, x, budget: int = GUIDED_BUDGET) -> str | None:
         """A text of ``x`` the grammar accepts, keys in some order (None: none found within
-        ``budget`` pieces written beyond about what writing ``x`` once takes): a depth-first search that writes each object's keys
-        one at a time and backtracks across the whole text, so that a key order chosen inside a
-        nested object can be undone where a later sibling fails (llguidance writes each union
-        member's keys in that member's order, and an open member may take another's keys as
-        extra ones: JsonSchemaStore #63's ``minify`` fit the ``jsBundle`` member in the order
-        written, and only its ``cssBundle`` order then took ``"outputFileName": "a.css"``).
-        Layout as :func:`layouts`' first; floats also plain, U+007F also escaped."""
+        ``budget`` pieces written beyond about what writing ``x`` once takes): a depth-first
+        search that writes each object's keys one at a time and backtracks across the whole text,
+        so that a key order chosen inside a nested object can be undone where a later sibling
+        fails (llguidance writes each union member's keys in that member's order, and an open
+        member may take another's keys as extra ones: JsonSchemaStore #63's ``minify`` fit the
+        ``jsBundle`` member in the order written, and only its ``cssBundle`` order then took
+        ``"outputFileName": "a.css"``). Layout as :func:`layouts`' first; floats also plain and
+        with trailing zeros, U+007F also escaped."""
         import sys
         m, self._pieces, self._budget = self.new(), [], [budget + 3 * _size(x)]   # + writing x once
         limit = sys.getrecursionlimit()
