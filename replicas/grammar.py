@@ -778,7 +778,9 @@ def _class_literals(pattern: str) -> str:
     """``pattern`` with the characters a ``[...]`` class holds literally in Python and ECMA-262
     but Rust's regex syntax (llguidance's) reads as class syntax escaped: a ``[`` inside a class
     (Rust: a nested class; ``[[a-z]*]`` is another language there), ``&&`` and ``~~`` (Rust:
-    intersection, symmetric difference)."""
+    intersection, symmetric difference), and the second ``-`` of ``X--`` (Python and ECMA-262:
+    the range from ``X`` to ``-``; Rust: set difference, which took ``‒``, ``§``, ``[`` out of a
+    JSONSchemaBench class ``[... "--\xad‐‑‒ ...]``, stop 45)."""
     out, i, n, in_class = [], 0, len(pattern), False
     while i < n:
         c = pattern[i]
@@ -804,6 +806,9 @@ def _class_literals(pattern: str) -> str:
             out.append(c)
         elif c == "[" or c in "&~" and pattern[i + 1:i + 2] == c:
             out.append("\\" + c)
+        elif c == "-" and pattern[i + 1:i + 2] == "-" and out[-1] not in ("[", "^"):
+            out.append("-\\-")   # X--: the range from X to "-"
+            i += 1
         else:
             out.append(c)
         i += 1

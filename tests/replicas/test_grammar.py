@@ -682,6 +682,7 @@ def test_routing_reads_a_format_that_is_not_a_string():
 @pytest.mark.parametrize("pattern,bad,good", [
     ("^[[a-z]*[-]?[a-z]*]*$", ["a*", "a?"], ["[", "a-b]", "ab"]),   # Rust read "[[" as a nested class
     ("^[a&&b]$", ["c"], ["a", "&", "b"]),                                # and "&&" as intersection
+    ('^[a"--x]+$', ["y", "!"], ["&", "x", "a-"]),                          # and "--" as difference
     ("^.+\\<.+@.+\\..+\\>$", ["x a@b.c y"], ["x <a@b.c>"]),            # "\<" a word boundary
     ("^(?!@@)[@a-z]+$", ["@@a"], ["@a", "a@@"]),                        # look-ahead after ^ (refused before)
     ("^(\\/?((\\.{2})|([a-z0-9\\-]*))($|\\/))*$", ["A", "..."], ["a/b", "../x", ""]),   # "$" inside
