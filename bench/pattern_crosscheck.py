@@ -37,6 +37,7 @@ import collections
 import gzip
 import itertools
 import json
+import os
 import random
 import re
 import signal
@@ -243,4 +244,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # A compile that passed its bound goes on in a thread xgrammar cannot stop; exiting normally
+    # would wait for it (the whole-JSONSchemaBench run printed its table, then kept a core busy
+    # for over an hour on one pattern's compile, stop 45).
+    os._exit(code)
