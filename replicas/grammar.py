@@ -168,26 +168,13 @@ def _class_range_escapes(pattern: str) -> bool:
     ``[0-f]``: xgrammar 0.2.9 rejected ``"\\"`` and ``"\""`` under such classes, found by
     ``bench.pattern_crosscheck jsonschemabench``, stop 45). Read with Python's parser; a pattern
     it cannot read counts as without one."""
-    import re._constants as sc
-    import re._parser as sp
+    from replicas.regex_complement import _c, _p, _somewhere
     try:
-        tree = sp.parse(pattern)
+        tree = _p.parse(pattern)
     except Exception:   # (not Python syntax: the other checks decide)
         return False
-
-    def escapes(op, av) -> bool:   # a class item: a range over an escaped character?
-        return op is sc.RANGE and (av[0] < 0x20 or av[0] <= 0x22 <= av[1] or av[0] <= 0x5C <= av[1])
-
-    def walk(items) -> bool:
-        for op, av in items:
-            if op is sc.IN and any(escapes(o, a) for o, a in av):
-                return True
-            if op is sc.SUBPATTERN and walk(av[-1]) or op in (sc.MAX_REPEAT, sc.MIN_REPEAT) and walk(av[2]) \
-                    or op is sc.BRANCH and any(walk(b) for b in av[1]) \
-                    or op in (sc.ASSERT, sc.ASSERT_NOT) and walk(av[1]):
-                return True
-        return False
-    return walk(tree)
+    return _somewhere(tree, lambda op, av: op is _c.IN and any(
+        o is _c.RANGE and (a[0] < 0x20 or a[0] <= 0x22 <= a[1] or a[0] <= 0x5C <= a[1]) for o, a in av))
 
 
 def incomplete_keywords(schema: Any) -> list[str]:
