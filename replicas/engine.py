@@ -26,6 +26,7 @@ from replicas.jump_forward import ForcedTokenizer, forced_tokens
 from replicas.kv_cache import KVCache, KVCacheConfig, KVCacheOutOfMemory, Precision
 from replicas.model_runner import ModelRunner, PrefillChunk
 from replicas.models import load_model
+from replicas.models.llama import prepack_linears
 from replicas.policies import make_policy
 from replicas.policy import PrefillView
 from replicas.prefix_cache import check_policy
@@ -58,6 +59,8 @@ def build_rank(config: EngineConfig, rank: int, world_size: int, port: int, addr
     if world_size > 1:
         tp.init_distributed(rank, world_size, port, device, addr)
         tp.shard_model(model, rank, world_size)
+    if device.type == "cpu":   # oneDNN-blocked weights: 2x faster projections at decode batch sizes
+        prepack_linears(model)
     # On the CPU an unused pool costs nothing (pages are committed when written), so every pool is
     # there and a policy can be swapped; on CUDA only the pools the policy stores into are reserved.
     precisions = (make_policy(config.kv_policy, **config.kv_policy_args).spec.precisions

@@ -45,6 +45,28 @@ def test_random_llama_logits_match_transformers(tmp_path):
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
+def test_prepacked_projections_compute_what_f_linear_does():
+    from replicas.models.llama import PackedLinear, prepack_linears
+    path = resolve_checkpoint()
+    plain, packed = load_model(path), load_model(path)
+    cfg = plain.config
+    assert prepack_linears(packed) == 7 * cfg.num_layers + 1        # q k v o gate up down, lm_head
+    assert not any(type(m) is torch.nn.Linear for m in packed.modules())
+    assert packed.lm_head.weight is packed.model.embed_tokens.weight   # still tied
+    for n in (1, 8, 37):                   # a decode row, a decode batch, a prompt
+        ids, pos = torch.randint(0, cfg.vocab_size, (n,)), torch.arange(n)
+        with torch.no_grad():
+            got = packed.logits(packed(ids, pos, dense_causal_attention))
+            ref = plain.logits(plain(ids, pos, dense_causal_attention))
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    lin = torch.nn.Linear(16, 24)           # with a bias, as Qwen2's q / k / v
+    x = torch.randn(5, 3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(PackedLinear(lin)(x), lin(x))
+    assert prepack_linears(load_model(path, dtype=torch.bfloat16)) == 0   # float32 only
+
+
 def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
     (tmp_path / "model.safetensors").write_bytes(b"")
