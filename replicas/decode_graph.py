@@ -89,7 +89,7 @@ class DecodeGraph:
             self._compiled = torch.compile(self._forward, fullgraph=True, dynamic=True, mode="reduce-overhead")
         else:   # the C++ wrapper: the whole forward is one call from Python, no call per layer or buffer
             self._compiled = torch.compile(self._forward, fullgraph=True, dynamic=True,
-                                           options={"cpp_wrapper": True})
+                                           options={"cpp_wrapper": True, "freezing": True})
 
     def supports(self, plan: DecodePlan) -> bool:
         """Whether this step can run through the graph: every pool it reads or writes is one the
