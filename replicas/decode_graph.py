@@ -36,14 +36,27 @@ batch above ``max_num_seqs``.
 from __future__ import annotations
 
 import logging
+import types
 
 import torch
+import torch._inductor.config
+import torch.fx.experimental._config
 
 from kernels import cpu_attention, kv_store
 from replicas.kv_cache import DecodePlan, KVCache, attend_pools
 from replicas.precision import Precision
 
 logger = logging.getLogger(__name__)
+
+
+def _own_code(method):
+    """``method`` rebound to a function over its own copy of the code object. TorchDynamo keeps
+    compiled graphs per code object, at most 8 (``recompile_limit``; then, with ``fullgraph``,
+    it raises). With frozen weights each engine's graph is its own, so several engines in one
+    process (tests, benchmarks) would spend one budget and keep the dead ones' weights alive."""
+    f = method.__func__
+    fresh = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    return types.MethodType(fresh, method.__self__)
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -88,8 +101,8 @@ class DecodeGraph:
         if self.cuda:
             self._compiled = torch.compile(self._forward, fullgraph=True, dynamic=True, mode="reduce-overhead")
         else:   # the C++ wrapper: the whole forward is one call from Python, no call per layer or buffer
-            self._compiled = torch.compile(self._forward, fullgraph=True, dynamic=True,
-                                           options={"cpp_wrapper": True, "freezing": True})
+            self._compiled = torch.compile(_own_code(self._forward), fullgraph=True, dynamic=True,
+                                           options={"cpp_wrapper": True})
 
     def supports(self, plan: DecodePlan) -> bool:
         """Whether this step can run through the graph: every pool it reads or writes is one the
@@ -160,7 +173,12 @@ class DecodeGraph:
         try:
             # No duck sizing: sizes equal at the first call (the batch and the pool count, say)
             # must not become one symbol, or a later step recompiles.
-            with torch.fx.experimental._config.patch(use_duck_shape=False):
+            # CPU: inductor's freezing makes the weights constants, which it prepacks for oneDNN
+            # as the eager model does (replicas.models.llama.PackedLinear): a step at batch 8 x
+            # 512 tokens 7.97 -> 5.34 ms on the embedded model (bench.step_profile --graph). A
+            # patch, not torch.compile's ``options``: TorchDynamo reads it when it traces.
+            with torch.fx.experimental._config.patch(use_duck_shape=False), \
+                    torch._inductor.config.patch(freezing=not self.cuda):
                 out = self._compiled(*self._inputs(ids, positions, plan))
         except Exception:   # compile or capture failure: eager from now on (the eager forward
             # writes the same values at the same slots, so a partial run changes nothing)

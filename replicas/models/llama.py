@@ -130,7 +130,9 @@ class PackedLinear(nn.Module):
     differ from ``F.linear``'s by float rounding (logits within 1e-5), not more.
 
     ``weight`` (the row-major parameter) stays for TorchDynamo, which cannot trace oneDNN's
-    opaque tensors: inside a compiled graph the layer is ``F.linear`` (inductor picks its own GEMM).
+    opaque tensors: inside a compiled graph the layer is ``F.linear``, which inductor's
+    ``freezing`` (on in ``replicas.decode_graph``) prepacks the same way. So the CPU holds the
+    projection weights twice in eager mode and three times with the compiled decode graph.
     """
 
     def __init__(self, linear: nn.Linear):

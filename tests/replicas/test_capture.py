@@ -25,9 +25,9 @@ def decoding(micro_model):
     eng.close()
 
 
-def _forward(eng, plan):
+def _forward(eng, plan, model=None):
     """The decode forward over ``plan``: store the new KV, attend, logits ``[B, vocab]``."""
-    kv, model = eng.kv, eng.model
+    kv, model = eng.kv, model or eng.model
 
     def forward(ids, positions):
         def attention(layer, q, k, v):
@@ -138,6 +138,35 @@ def test_decode_graph_equals_eager_over_every_pool(decoding):
             s.output_token_ids.append(int(got[batch.index(s)].argmax()))
     assert graph.calls == 2 and not graph.failed
     assert counters["stats"]["unique_graphs"] - graphs_before == 1, dict(counters["stats"])   # one compile for both batches
+
+
+def test_each_decode_graph_computes_with_its_own_models_weights(decoding, micro_model):
+    """On the CPU the graph freezes the weights into constants (prepacked for oneDNN), so a
+    second engine's graph, over a model of the same shapes with other weights, compiles again and
+    must not reuse the first's. Each graph compiles its own code object
+    (``decode_graph._own_code``): engines in one process do not share TorchDynamo's recompile
+    budget per code object (1 here, 8 by default; over it, with ``fullgraph``, it raises)."""
+    from replicas.decode_graph import DecodeGraph
+    from replicas.models import load_model
+    from replicas.models.llama import prepack_linears
+    eng = decoding
+    other = load_model(micro_model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(1.25)
+    prepack_linears(other)
+    H = int(Precision.HIGH)
+    plan, ids, positions = _plan(eng, [[H, H]] * 3)   # (each forward writes its own new KV first)
+    for model in (eng.model, other):
+        graph = DecodeGraph(model, eng.kv, (Precision.HIGH, Precision.INT8, Precision.INT4), 4)
+        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1):
+            eager = _forward(eng, plan, model)(ids, positions)
+            out = graph(ids, positions, plan)
+        assert out is not None and graph.calls == 1 and not graph.failed
+        got, _ = out
+        torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        assert not torch.allclose(_forward(eng, plan)(ids, positions), eager, atol=1e-3)
 
 
 @pytest.mark.parametrize("policy", ["full", "h2o"])
