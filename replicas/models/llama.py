@@ -122,12 +122,12 @@ class PackedLinear(nn.Module):
     CPU: ``y [..., out] = x [..., in] @ weight.T (+ bias)``, float32.
 
     PyTorch's ``F.linear`` on the CPU runs a BLAS GEMM over the row-major weight, slow with the
-    few rows of a decode step: the embedded model's forward without attention at batch 8, weights
-    pushed out of the cache by 24 MiB of KV reads between steps, took 7.76 ms with ``F.linear``
-    against 5.20 ms prepacked, and a 512-token prefill 61.2 against 49.7 ms (``python -m
-    bench.linear_layout``, this project's 2-core AMD EPYC). vLLM's CPU backend and inductor's
-    ``freezing`` prepack the same way (``torch.ops.mkldnn._reorder_linear_weight``). Results
-    differ from ``F.linear``'s by float rounding (logits within 1e-5), not more.
+    few rows of a decode step: the embedded model's forward without attention at batch 8 took
+    1.35x-1.56x as long with ``F.linear`` as prepacked (7.76 against 5.20 ms with 24 MiB of KV
+    read between steps), a 512-token prefill 1.00x-1.23x (``python -m bench.linear_layout``,
+    four runs on this project's 2-core AMD EPYC). vLLM's CPU backend and inductor's ``freezing``
+    prepack the same way (``torch.ops.mkldnn._reorder_linear_weight``). Results differ from
+    ``F.linear``'s by float rounding (logits by at most 1.0e-5 in those runs), not more.
 
     ``weight`` (the row-major parameter) stays for TorchDynamo, which cannot trace oneDNN's
     opaque tensors: inside a compiled graph the layer is ``F.linear``, which inductor's
@@ -137,7 +137,6 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 8)
