@@ -192,22 +192,57 @@ static inline void part_range(const pool_t *pools, int b, int pi, int64_t i0, in
     *at += len;
 }
 
-/* Walks a row's slots in order, page by page (no division per entry). */
-typedef struct { const int32_t *page; int64_t slot, end; } cursor_t;
+/* Walks a row's slots in order, page by page (no division per entry). On entering a page it
+ * prefetches the page PREFETCH_PAGES ahead in the walk (its K or V rows, and their scales): a
+ * row's pages may lie anywhere in the pool, where the hardware prefetcher, which follows
+ * addresses within a 4 KiB page, cannot guess the next one. Measured (PASK at 0.33, 2,048-token
+ * prompts, batch 8, its INT8 pages scattered): 5.4 -> 4.1 ms of attention a decode step; 1 to 6
+ * pages ahead gave the same within noise. (Always inlined: GCC deletes a call to a function
+ * that only prefetches, as it has no effect it can see.) */
+#ifndef PREFETCH_PAGES
+#define PREFETCH_PAGES 2
+#endif
+typedef struct {
+    const int32_t *page, *last;   /* the current and the walk's last table entry */
+    int64_t slot, end;
+    const char *data, *scale;     /* what is prefetched: rows of ``page_bytes``, scales of ``scale_bytes`` per page */
+    int64_t page_bytes, scale_bytes;
+} cursor_t;
 
-static inline cursor_t cursor_at(const pool_t *p, int b, int64_t t) {
+static inline __attribute__((always_inline)) void prefetch_page(const cursor_t *c, int64_t page) {
+    const char *x = c->data + page * c->page_bytes;
+    for (int64_t o = 0; o < c->page_bytes; o += 64) __builtin_prefetch(x + o, 0, 3);
+    if (c->scale) {
+        const char *s = c->scale + page * c->scale_bytes;
+        for (int64_t o = 0; o < c->scale_bytes; o += 64) __builtin_prefetch(s + o, 0, 3);
+    }
+}
+
+/* A cursor at the row's entry t of pool p, for a walk up to entry hi (excluded) that reads
+ * ``data`` (p->k or p->v) and ``scale`` (their scales; NULL for HIGH). */
+static inline __attribute__((always_inline)) cursor_t cursor_at(const pool_t *p, int b, int64_t t, int64_t hi, const void *data,
+                                 const float *scale, int hkv, int d) {
     cursor_t c;
-    c.page = p->table + (int64_t)b * p->width + t / p->block_size;
+    const int64_t row = (int64_t)b * p->width;
+    c.page = p->table + row + t / p->block_size;
+    c.last = p->table + row + (hi > t ? (hi - 1) / p->block_size : t / p->block_size);
     c.slot = (int64_t)*c.page * p->block_size + t % p->block_size;
     c.end = ((int64_t)*c.page + 1) * p->block_size;
+    const int64_t bytes = p->bits == 0 ? 4 * (int64_t)d : p->bits == 8 ? d : d / 2;
+    c.data = (const char *)data;
+    c.page_bytes = (int64_t)p->block_size * hkv * bytes;
+    c.scale = p->bits ? (const char *)scale : NULL;
+    c.scale_bytes = (int64_t)p->block_size * hkv * 4;
+    for (int k = 1; k <= PREFETCH_PAGES && c.page + k <= c.last; k++) prefetch_page(&c, c.page[k]);
     return c;
 }
 
-static inline int64_t cursor_next(const pool_t *p, cursor_t *c) {
+static inline __attribute__((always_inline)) int64_t cursor_next(const pool_t *p, cursor_t *c) {
     if (c->slot == c->end) {
         c->page++;
         c->slot = (int64_t)*c->page * p->block_size;
         c->end = c->slot + p->block_size;
+        if (c->page + PREFETCH_PAGES <= c->last) prefetch_page(c, c->page[PREFETCH_PAGES]);
     }
     return c->slot++;
 }
@@ -243,7 +278,7 @@ static inline __attribute__((always_inline)) void value_sweep(
         const int bits = p->bits;
         const int64_t dk = bits == 4 ? d / 2 : d, ck = bits == 4 ? dc / 2 : dc;
         const int64_t step = bits == 0 ? 8 : bits == 8 ? 8 : 4;                 /* bytes-or-floats per 8 values */
-        cursor_t c = cursor_at(p, b, lo);
+        cursor_t c = cursor_at(p, b, lo, hi, p->v, p->v_scale, hkv, d);
         for (int64_t t = lo; t < hi; t++, idx++) {
             int64_t r = cursor_next(p, &c) * hkv + h;
             float sc = bits ? p->v_scale[r] : 1.f;
@@ -281,7 +316,7 @@ static inline __attribute__((always_inline)) void attend_range(const float *q, i
         int64_t lo, hi;
         part_range(pools, b, pi, i0, i1, &at, &lo, &hi);
         const pool_t *p = &pools[pi];
-        cursor_t c = cursor_at(p, b, lo);
+        cursor_t c = cursor_at(p, b, lo, hi, p->k, p->k_scale, hkv, d);
         int64_t t = lo;
 #ifdef STRUCTKV_AVX2
         if (d % 8 == 0 && p->bits == 8 && hkv <= 8) {   /* INT8 keys converted in registers, no row buffer */
@@ -384,7 +419,7 @@ static inline __attribute__((always_inline)) void attend_range(const float *q, i
         int64_t lo, hi;
         part_range(pools, b, pi, i0, i1, &at, &lo, &hi);
         const pool_t *p = &pools[pi];
-        cursor_t c = cursor_at(p, b, lo);
+        cursor_t c = cursor_at(p, b, lo, hi, p->v, p->v_scale, hkv, d);
         for (int64_t t = lo; t < hi; t++, idx++) {
             int64_t slot = cursor_next(p, &c);
             const float *vr = load_row(p, p->v, p->v_scale, slot, hkv, d, row, rscale);
