@@ -45,6 +45,7 @@ that belong to another pool (or to none) write into, so a store has a fixed shap
 
 from __future__ import annotations
 
+import heapq
 import math
 
 import torch
@@ -94,8 +95,10 @@ class BlockManager:
         self.bytes_used = 0
         # Set by a prefix cache: evictor(pages) frees up to ``pages`` unreferenced cached HIGH pages.
         self.evictor = None
-        # Free pages, lowest id on top (pop() from the end); page 0 is the trash page.
-        self.free_pages = {p: list(range(capacities[p] - 1, TRASH_PAGE, -1)) for p in BITS}
+        # Free pages per pool as a min-heap (``heapq``): the lowest id is handed out first, so a
+        # run of pages taken together (a prompt's, a demotion's) is consecutive in the pool where
+        # the free ids allow. Page 0 is the trash page.
+        self.free_pages = {p: list(range(TRASH_PAGE + 1, capacities[p])) for p in BITS}
         self.rows: dict[object, int] = {}
         self.free_rows = list(range(r - 1, -1, -1))
 
@@ -132,7 +135,7 @@ class BlockManager:
                 if shared and p == Precision.HIGH:   # the prefix cache's pages are not the row's to free
                     mask[:, :shared] = False
                 mask &= ar >= self.snap_pages[p][row][:, None]
-                self.free_pages[p].extend(self.block_table[p][row][mask].tolist())
+                self.give(p, self.block_table[p][row][mask].tolist())
             counts.zero_()
             self.num_slots[p][row] = 0
             shared_bytes += int(self.snap_pages[p][row].sum()) * self.page_costs[p]
@@ -205,14 +208,25 @@ class BlockManager:
         return self.max_bytes - self.bytes_used
 
     def _take(self, p: Precision, n: int) -> list[int]:
+        """The ``n`` lowest free page ids of pool ``p``, ascending.
+
+        Lowest first keeps a sequence's pages in runs of consecutive ids after earlier sequences
+        freed theirs in any order; read in page order they stream from memory. (Taken off the top
+        of a free list instead, pages freed by finished sequences came back scattered: PASK's
+        INT8 pages at budget 0.33 and 2,048-token prompts, 0.7 % consecutive against 98 % in a
+        fresh pool, made the fused attention 3.5 -> 5.4 ms a decode step, batch 8, eager.)"""
         free = self.free_pages[p]
         if n > len(free) and p == Precision.HIGH and self.evictor is not None:
             self.evictor(n - len(free))
         if n > len(free):
             raise KVCacheOutOfMemory(f"the {p.name} pool has {len(free)} free pages, {n} needed")
-        ids = free[len(free) - n:][::-1]     # the order of n pops
-        del free[len(free) - n:]
-        return ids
+        return [heapq.heappop(free) for _ in range(n)]
+
+    def give(self, p: Precision, ids: list[int]) -> None:
+        """Return pages ``ids`` to pool ``p``'s free pages."""
+        free = self.free_pages[p]
+        for i in ids:
+            heapq.heappush(free, i)
 
     def check_fits(self, cost: int, what: str) -> None:
         if cost > self.bytes_free and self.evictor is not None:
@@ -324,7 +338,7 @@ class BlockManager:
         if bool((have > keep_pages).any()):
             cols = torch.arange(int(have.max()))
             freed = (cols >= keep_pages[:, None]) & (cols < have[:, None])
-            self.free_pages[p].extend(self.block_table[p][row, uniq, : cols.numel()][freed].tolist())
+            self.give(p, self.block_table[p][row, uniq, : cols.numel()][freed].tolist())
             self.num_pages[p][row, uniq] = torch.minimum(have, keep_pages)
             self._charge(row, -int(freed.sum()) * self.page_costs[p])
         return dst, src
@@ -438,7 +452,7 @@ class BlockManager:
             empty = last % bs == 0                                            # the last page emptied
             if bool(empty.any()):
                 re, le = r[empty], l[empty]
-                self.free_pages[p].extend(table[re, le, torch.div(last[empty], bs, rounding_mode="floor")].tolist())
+                self.give(p, table[re, le, torch.div(last[empty], bs, rounding_mode="floor")].tolist())
                 self.num_pages[p][re, le] -= 1
                 self.row_bytes.index_add_(0, re, torch.full_like(re, -self.page_costs[p]))
                 self.bytes_used -= int(empty.sum()) * self.page_costs[p]

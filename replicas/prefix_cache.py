@@ -330,7 +330,7 @@ class PrefixCache:
         for p, c in snap.counts.items():
             n_pages = -(-c // bs)
             for layer in range(b.num_layers):
-                b.free_pages[p].extend(snap.pages[p][layer, :int(n_pages[layer])].tolist())
+                b.give(p, snap.pages[p][layer, :int(n_pages[layer])].tolist())
         b.bytes_used -= snap.nbytes
 
     # ------------------------------------------------------------------ eviction
@@ -363,7 +363,7 @@ class PrefixCache:
         return freed
 
     def _free(self, block: CachedBlock) -> None:
-        self.blocks.free_pages[Precision.HIGH].extend(block.pages.tolist())
+        self.blocks.give(Precision.HIGH, block.pages.tolist())
         self.blocks.bytes_used -= self._block_cost
 
     # ------------------------------------------------------------------ checks

@@ -357,3 +357,23 @@ def test_plan_and_block_tables_against_a_recount_under_random_operations():
                         assert torch.equal(key, want)
                     else:
                         assert (key - want).abs().max() <= want.abs().max() / (7 if kept[p] == Precision.INT4 else 127) + 1e-5
+
+
+def test_pages_are_handed_out_lowest_first_so_a_prompt_lies_in_consecutive_pages():
+    """After sequences that took pages in an interleaved order are freed in another order, a new
+    prompt's pages are consecutive in every layer (the fused attention streams them), and the
+    lowest free ids come first."""
+    c = cache(num_layers=2, max_num_seqs=4)
+    for s in "abc":
+        c.add_sequence(s)
+    for step in range(12):   # one token per sequence per step: their pages interleave
+        for s in "abc":
+            fill(c, s, 1, start=step)
+    for s in "bca":
+        c.free_sequence(s)
+    c.add_sequence("d")
+    fill(c, "d", 40)
+    pages = [c.page_ids("d", l, Precision.HIGH) for l in range(2)]
+    assert sorted(pages[0] + pages[1]) == list(range(1, 21))   # the 20 lowest ids, page 0 the trash
+    for p in pages:
+        assert p == list(range(p[0], p[0] + 10))
