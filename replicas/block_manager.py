@@ -92,6 +92,7 @@ class BlockManager:
         self.snap_pages = {p: torch.zeros(r, l, dtype=torch.int64) for p in BITS}
         self.num_unshared_pages = 0   # compressed-prefix pages copied by unshare (copy-on-write)
         self.has_snapshots = False    # set once a compressed prefix is shared: only then are snap_pages checked
+        self.has_shared = False       # set once a row reads shared prefix pages: only then are they checked
         self.bytes_used = 0
         # Set by a prefix cache: evictor(pages) frees up to ``pages`` unreferenced cached HIGH pages.
         self.evictor = None
@@ -170,12 +171,14 @@ class BlockManager:
         self.next_position[row] = n
         self.row_bytes[row] += k * self.num_layers * self.page_costs[h]
         self.shared_pages[row] = k
+        self.has_shared = True
 
     def check_not_shared(self, rows: torch.Tensor, slots: torch.Tensor, p: Precision,
                          layers: torch.Tensor | None = None) -> None:
         """Raise ValueError if any ``slots`` of ``rows`` (and ``layers``; ``[n]`` each) lie in
         shared pages (a compressed prefix's must be :meth:`unshare` d first)."""
-        if p == Precision.HIGH and bool((slots < self.shared_pages[rows] * self.block_size).any()):
+        if p == Precision.HIGH and self.has_shared and \
+                bool((slots < self.shared_pages[rows] * self.block_size).any()):
             raise ValueError("a shared prefix page is read-only: its entries cannot be released or demoted")
         if layers is not None and self.has_snapshots and \
                 bool((slots < self.snap_pages[p][rows, layers] * self.block_size).any()):
@@ -443,11 +446,12 @@ class BlockManager:
             last = self.num_slots[p][r, l] - 1
             move = hole != last
             table = self.block_table[p]
-            dst = table[r[move], l[move], torch.div(hole[move], bs, rounding_mode="floor")].long() * bs + hole[move] % bs
-            src = table[r[move], l[move], torch.div(last[move], bs, rounding_mode="floor")].long() * bs + last[move] % bs
-            moved_pos = self.slot_position[p][r[move], l[move], last[move]]
-            self.slot_position[p][r[move], l[move], hole[move]] = moved_pos
-            self.location[r[move], l[move], moved_pos.long()] = loc_of(hole[move], p)
+            rm, lm, hm, sm = (r, l, hole, last) if bool(move.all()) else (r[move], l[move], hole[move], last[move])
+            dst = table[rm, lm, torch.div(hm, bs, rounding_mode="floor")].long() * bs + hm % bs
+            src = table[rm, lm, torch.div(sm, bs, rounding_mode="floor")].long() * bs + sm % bs
+            moved_pos = self.slot_position[p][rm, lm, sm]
+            self.slot_position[p][rm, lm, hm] = moved_pos
+            self.location[rm, lm, moved_pos.long()] = loc_of(hm, p)
             self.num_slots[p][r, l] = last
             empty = last % bs == 0                                            # the last page emptied
             if bool(empty.any()):

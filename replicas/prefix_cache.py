@@ -200,6 +200,7 @@ class PrefixCache:
             have.append(block)
             parent = h
         b.shared_pages[row] = len(have)
+        b.has_shared = b.has_shared or bool(have)
 
     def release(self, seq_id) -> None:
         """Drop ``seq_id``'s references (before its row is freed); unreferenced blocks become

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from replicas.kv_cache import KVCache, Precision
+from replicas.precision import BITS
 from replicas.policy import DecodeView, Evictions, KVAction, KVPolicy, PrefillView
 from replicas.sequence import Sequence
 
@@ -55,6 +56,13 @@ def cap_and_refill(shares: list[int], cap: int) -> list[int]:
             out[i] += give
             excess -= give
     return out
+
+
+def _lowest(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``[n]`` the position of each row's lowest score in ``scores [n, T]`` over ``positions
+    [n, T]``, the lowest position among equal scores (what an argmin in position order picks)."""
+    low = scores.min(1, keepdim=True).values
+    return torch.where(scores == low, positions, torch.iinfo(positions.dtype).max).min(1).values
 
 
 def check_prefill_tokens(value) -> None:
@@ -206,7 +214,7 @@ class ScoredPolicy(KVPolicy):
 
     def protected_scores(self, scores: torch.Tensor, positions: torch.Tensor, num_tokens: torch.Tensor,
                          quotas: torch.Tensor) -> torch.Tensor:
-        """``scores [n, T]`` over positions ``[T]`` of n (sequence, layer) pairs whose sequences
+        """``scores [n, T]`` over positions ``[T]`` or ``[n, T]`` of n (sequence, layer) pairs whose sequences
         hold ``num_tokens [n]`` tokens under ``quotas [n]``, with protected tokens lifted above
         every scored one (default: unchanged; H2O protects a recent window)."""
         return scores
@@ -222,25 +230,39 @@ class ScoredPolicy(KVPolicy):
         if positions is None:
             positions = torch.tensor([s.num_tokens - 1 for s in seqs], dtype=torch.int64)
         table = self.scores(kv)
-        table[rows[:, None], torch.arange(L)[None, :], positions[:, None]] = self.decode_scores(seqs, positions, L)
+        table[rows, :, positions] = self.decode_scores(seqs, positions, L)             # [B, L]
         self.observe_decode_batch(seqs, kv, rows, positions, queries)
         quotas = self._decode_quotas(seqs, kv, rows, positions)                       # [B, L]
         over = kv.blocks.kept_counts(rows) - quotas
-        if not bool((over > 0).any()):
-            return None
         bi, li = (over > 0).nonzero(as_tuple=True)
-        width = int(positions.max()) + 1
+        if not bi.numel():
+            return None
         r = rows[bi]
-        s = table[r, li, :width].clone()
-        s = self.protected_scores(s, torch.arange(width), positions[bi] + 1, quotas[bi, li])
-        s = s.masked_fill(kv.blocks.location[r, li, :width] < 0, float("inf"))
+        # Scores of the kept entries only (each pool's slots of the pair, padded with +inf), not
+        # of every position: at budget 0.33 a third of the width, and no mask of released ones.
+        b, parts, pos_parts, valid = kv.blocks, [], [], []
+        for p in BITS:
+            n = b.num_slots[p][r, li]                                                 # [m]
+            width = int(n.max())
+            if not width:
+                continue
+            pos = b.slot_position[p][r, li, :width].long()                            # [m, width]
+            parts.append(table[r[:, None], li[:, None], pos])
+            pos_parts.append(pos)
+            valid.append(torch.arange(width)[None, :] < n[:, None])
+        cat = lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs, 1)   # noqa: E731
+        pos = cat(pos_parts)
+        s = self.protected_scores(cat(parts), pos, positions[bi] + 1, quotas[bi, li])
+        s = s.masked_fill(~cat(valid), float("inf"))                   # slots past the pair's entries
         single = over[bi, li] == 1
-        drop = s[single].argmin(dim=1)
+        drop = _lowest(s, pos) if bool(single.all()) else _lowest(s[single], pos[single])
         actions = []
         for i in (~single).nonzero().flatten().tolist():   # several at once: only after the budget fell
             d = int(over[bi[i], li[i]])
-            pos = torch.topk(-s[i], d).indices
-            actions.append((seqs[int(bi[i])], KVAction(int(li[i]), tuple(pos.tolist()), Precision.RELEASED)))
+            by_pos = pos[i].argsort()
+            lowest = by_pos[s[i][by_pos].sort(stable=True).indices[:d]]   # by score, then position
+            actions.append((seqs[int(bi[i])], KVAction(int(li[i]), tuple(pos[i][lowest].tolist()),
+                                                       Precision.RELEASED)))
         return Evictions(r[single], li[single], drop, tuple(actions))
 
     def _decode_quotas(self, seqs, kv, rows, positions: torch.Tensor) -> torch.Tensor:
@@ -252,18 +274,19 @@ class ScoredPolicy(KVPolicy):
         if self._quota is None or self._quota.shape != (cfg.max_num_seqs, cfg.num_layers):
             self._quota = torch.zeros(cfg.max_num_seqs, cfg.num_layers, dtype=torch.int64)
             self._quota_key = [None] * cfg.max_num_seqs
-        extra = torch.zeros(len(seqs), dtype=torch.int64)
+        budget_mode, bs, keys = self.prefill_tokens is None, cfg.block_size, self._quota_key
+        extra = [0] * len(seqs)
         for i, (seq, row, n) in enumerate(zip(seqs, rows.tolist(), (positions + 1).tolist())):
-            if self.prefill_tokens is None:
-                key = (seq.request_id, seq.kv_budget, -(-n // cfg.block_size))
+            if budget_mode:
+                key = (seq.request_id, seq.kv_budget, -(-n // bs))
             else:
                 num_prompt = min(len(seq.prompt_token_ids), n)
                 key, extra[i] = (seq.request_id, num_prompt), n - num_prompt
-            if self._quota_key[row] != key:
+            if keys[row] != key:
                 q = self.layer_quotas(seq, cfg.num_layers, seq.kv_budget, n)
                 self._quota[row] = torch.tensor(q) - extra[i]
-                self._quota_key[row] = key
-        return self._quota[rows] + extra[:, None]
+                keys[row] = key
+        return self._quota[rows] if budget_mode else self._quota[rows] + torch.tensor(extra)[:, None]
 
     def on_decode(self, view: DecodeView) -> list[KVAction]:
         kv, seq = view.kv, view.seq

@@ -96,5 +96,6 @@ class H2OPolicy(ScoredPolicy):
 
     def protected_scores(self, scores, positions, num_tokens, quotas):
         recent = (quotas.double() * self.recent_ratio).floor().long()
-        mask = positions[None, :] >= (num_tokens - recent)[:, None]
-        return torch.where(mask, KEEP + positions.float()[None, :], scores)
+        pos = positions if positions.dim() == 2 else positions[None, :]      # [n, T] or [T]
+        mask = pos >= (num_tokens - recent)[:, None]
+        return torch.where(mask, KEEP + pos.float(), scores)
