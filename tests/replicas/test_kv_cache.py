@@ -359,7 +359,7 @@ def test_plan_and_block_tables_against_a_recount_under_random_operations():
                         assert (key - want).abs().max() <= want.abs().max() / (7 if kept[p] == Precision.INT4 else 127) + 1e-5
 
 
-def test_pages_are_handed_out_lowest_first_so_a_prompt_lies_in_consecutive_pages():
+def test_after_sequences_leave_a_prompt_lies_in_consecutive_pages():
     """After sequences that took pages in an interleaved order are freed in another order, a new
     prompt's pages are consecutive in every layer (the fused attention streams them), and the
     lowest free ids come first."""
