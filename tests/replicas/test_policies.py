@@ -295,3 +295,13 @@ def test_h2o_batched_observation_equals_per_sequence_attention(monkeypatch, obse
             pos, k, _ = kv.gather(seq.request_id, layer)
             want = attention_probs(queries[layer][i][None], positions[i:i + 1], k, pos)
             torch.testing.assert_close(table[rows[i], layer, pos], want)
+
+
+def test_eviction_ranks_kept_slots_and_breaks_ties_by_position():
+    """Decode eviction ranks each pair's kept entries in slot order (swap-removes leave slots out
+    of position order); among equal scores it must still release the lowest position, as an
+    argmin over positions does."""
+    from replicas.policies.base import _lowest
+    scores = torch.tensor([[3.0, 1.0, 1.0, 2.0], [5.0, 5.0, 5.0, float("inf")]])
+    positions = torch.tensor([[7, 9, 4, 1], [8, 2, 6, 0]])   # slot order, not position order
+    assert _lowest(scores, positions).tolist() == [4, 2]     # the +inf slot (past the entries) never wins
