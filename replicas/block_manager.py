@@ -100,6 +100,7 @@ class BlockManager:
         # highest id ever handed out. See ``free`` for the order of the others.
         self.free_pages = {p: list(range(capacities[p] - 1, TRASH_PAGE, -1)) for p in BITS}
         self.handed = {p: TRASH_PAGE + 1 for p in BITS}
+        self.unsorted: set = set()    # pools a freed sequence gave pages back to since their last sort
         self.rows: dict[object, int] = {}
         self.free_rows = list(range(r - 1, -1, -1))
 
@@ -137,7 +138,7 @@ class BlockManager:
                     mask[:, :shared] = False
                 mask &= ar >= self.snap_pages[p][row][:, None]
                 self.give(p, self.block_table[p][row][mask].tolist())
-                self._sort_recycled(p)
+                self.unsorted.add(p)
             counts.zero_()
             self.num_slots[p][row] = 0
             shared_bytes += int(self.snap_pages[p][row].sum()) * self.page_costs[p]
@@ -217,10 +218,13 @@ class BlockManager:
             self.evictor(n - len(free))
         if n > len(free):
             raise KVCacheOutOfMemory(f"the {p.name} pool has {len(free)} free pages, {n} needed")
+        if p in self.unsorted:
+            self.unsorted.discard(p)
+            self._sort_recycled(p)
         ids = free[len(free) - n:][::-1]     # the order of n pops
         del free[len(free) - n:]
-        if ids:
-            self.handed[p] = max(self.handed[p], max(ids) + 1)
+        if ids and ids[-1] >= self.handed[p]:   # never-handed-out pages come last, ascending
+            self.handed[p] = ids[-1] + 1
         return ids
 
     def give(self, p: Precision, ids: list[int]) -> None:
@@ -235,7 +239,9 @@ class BlockManager:
         pages of sequences that grew side by side came back interleaved: PASK's INT8 pages at
         budget 0.33 and 2,048-token prompts were 0.7 % consecutive after two earlier runs, 98 %
         in a fresh pool, and the fused attention took 5.4 against 3.5 ms a decode step (batch 8,
-        eager). Sorts at most the pages ever handed out, once per sequence freed."""
+        eager). Run by the first take after sequences were freed (one sort for all those freed
+        in a step); it sorts the pages ever handed out, mostly in order already: 2-3 ms for
+        262,000 of them (a 4 GiB float32 pool used whole once), 0.1-0.4 ms for 20,000."""
         free = self.free_pages[p]
         start = self.capacities[p] - self.handed[p]     # the never-handed-out pages below it
         recycled = free[start:]
