@@ -228,9 +228,10 @@ class BlockManager:
         return ids
 
     def give(self, p: Precision, ids: list[int]) -> None:
-        """Return pages ``ids`` to pool ``p`` (the next taken first: a decode step's page that a
-        release empties again is the one the step took)."""
-        self.free_pages[p].extend(ids)
+        """Return pages ``ids`` to pool ``p``, to be taken next and in the order given: the next
+        prompt's pages after a compression released a run of pages are that run, ascending (a
+        decode step's page that a release empties again is the one the step took)."""
+        self.free_pages[p].extend(reversed(ids))
 
     def _sort_recycled(self, p: Precision) -> None:
         """Order pool ``p``'s free pages that were handed out before, lowest id next: after a

@@ -377,3 +377,16 @@ def test_after_sequences_leave_a_prompt_lies_in_consecutive_pages():
     assert sorted(pages[0] + pages[1]) == list(range(1, 21))   # the 20 lowest ids, page 0 the trash
     for p in pages:
         assert p == list(range(p[0], p[0] + 10))
+
+
+def test_pages_a_compression_released_go_to_the_next_prompt_in_order():
+    """The pages a prompt's compression releases (a run of consecutive ids) are the next prompt's
+    pages in the same ascending order, not reversed, so that prompt too lies in consecutive pages."""
+    c = cache(num_layers=1, max_num_seqs=2)
+    c.add_sequence("a")
+    fill(c, "a", 40)                                  # pages 1 .. 10
+    released = c.page_ids("a", 0, Precision.HIGH)[4:]
+    c.set_precision("a", 0, list(range(16, 40)), Precision.RELEASED)   # the last 6 pages empty
+    c.add_sequence("b")
+    fill(c, "b", 24)
+    assert c.page_ids("b", 0, Precision.HIGH) == released == list(range(5, 11))
