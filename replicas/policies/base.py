@@ -114,6 +114,14 @@ class ScoredPolicy(KVPolicy):
     _scores: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
     _quota: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
     _quota_key: list | None = field(default=None, init=False, repr=False, compare=False)
+    # The ranking of :meth:`_static_victims`: per (row, layer) kept positions, lowest first.
+    _order: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _order_n: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _cursor: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _floor_pos: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _order_key: list | None = field(default=None, init=False, repr=False, compare=False)
+    _fresh: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    static_scores = False   # see _static_victims; never with protected_scores overridden
 
     def __post_init__(self):
         check_prefill_tokens(self.prefill_tokens)
@@ -185,6 +193,7 @@ class ScoredPolicy(KVPolicy):
         positions = torch.arange(n)
         table, row = self.scores(view.kv), view.kv.row(view.seq.request_id)
         table[row] = float("-inf")
+        self._forget_ranking(row)
         for layer in range(view.kv.cfg.num_layers):
             table[row, layer, :n] = self.prefill_scores(view, layer, positions).float().cpu()
         return self.fit(view.seq, view.kv, view.budget, n)
@@ -198,10 +207,16 @@ class ScoredPolicy(KVPolicy):
         earlier prompt tokens."""
         n = view.num_prefilled
         table, row = self.scores(view.kv), view.kv.row(view.seq.request_id)
+        self._forget_ranking(row)
         positions = torch.arange(n)
         for layer in range(view.kv.cfg.num_layers):
             table[row, layer, :n] = self.prefill_scores(view, layer, positions).float().cpu()
         return self.fit(view.seq, view.kv, view.budget, view.seq.num_tokens)
+
+    def _forget_ranking(self, row: int) -> None:
+        """A row's scores were written anew (a prompt, or a recomputed one): rank it again."""
+        if self._order_key is not None:
+            self._order_key[row] = None
 
     def decode_scores(self, seqs: list[Sequence], positions: torch.Tensor, num_layers: int) -> torch.Tensor:
         """``[B, L]`` score of each sequence's new token (at ``positions [B]``) in every layer;
@@ -225,7 +240,8 @@ class ScoredPolicy(KVPolicy):
         one ``argmin``. The papers evict per token too (H2O Algorithm 1, StreamingLLM's rolling
         window); doing it per step keeps their decisions exactly, and it costs one batched
         swap-remove: the new token moves into the hole the released entry leaves, so no page is
-        opened or emptied except when a layer's quota grows."""
+        opened or emptied except when a layer's quota grows. With ``static_scores`` the victims
+        come from an order ranked once (:meth:`_static_victims`), the same ones."""
         L = kv.cfg.num_layers
         if positions is None:
             positions = torch.tensor([s.num_tokens - 1 for s in seqs], dtype=torch.int64)
@@ -237,33 +253,119 @@ class ScoredPolicy(KVPolicy):
         bi, li = (over > 0).nonzero(as_tuple=True)
         if not bi.numel():
             return None
-        r = rows[bi]
-        # Scores of the kept entries only (each pool's slots of the pair, padded with +inf), not
-        # of every position: at budget 0.33 a third of the width, and no mask of released ones.
+        r, single, nxt, q = rows[bi], over[bi, li] == 1, positions[bi] + 1, quotas[bi, li]
+        ids = [(row, seq.request_id) for row, seq in zip(rows.tolist(), seqs)] if self.static_scores else None
+        if bool(single.all()):
+            return Evictions(r, li, self._lowest_kept(kv, table, r, li, nxt, q, ids), ())
+        one = single.nonzero().flatten()
+        drop = self._lowest_kept(kv, table, r[one], li[one], nxt[one], q[one], ids) if one.numel() \
+            else torch.empty(0, dtype=torch.int64)
+        # Several at once: only after the budget fell.
+        many = (~single).nonzero().flatten()
+        s, pos = self._kept_scores(kv, table, r[many], li[many], nxt[many], q[many])
+        actions = []
+        for j, i in enumerate(many.tolist()):
+            d = int(over[bi[i], li[i]])
+            by_pos = pos[j].argsort()
+            lowest = by_pos[s[j][by_pos].sort(stable=True).indices[:d]]   # by score, then position
+            actions.append((seqs[int(bi[i])], KVAction(int(li[i]), tuple(pos[j][lowest].tolist()),
+                                                       Precision.RELEASED)))
+            if self._order_key is not None:
+                self._order_key[int(r[i])] = None     # ranked again at its next eviction
+        return Evictions(r[single], li[single], drop, tuple(actions))
+
+    def _lowest_kept(self, kv, table, r, li, num_tokens, quotas, ids):
+        """``[m]`` the lowest-scoring kept position of each pair (rows ``r``, layers ``li``, ``[m]``
+        each; ties: the lowest position)."""
+        if self.static_scores:
+            return self._static_victims(kv, table, r, li, num_tokens, ids)
+        s, pos = self._kept_scores(kv, table, r, li, num_tokens, quotas)
+        return _lowest(s, pos)
+
+    def _kept_scores(self, kv, table, r, li, num_tokens, quotas):
+        """``(scores, positions)``, each ``[m, width]``, of the kept entries of the pairs (rows
+        ``r [m]``, layers ``li [m]``), every pool's slots side by side, padded with +inf scores;
+        with ``quotas`` (and ``num_tokens``, ``[m]`` each), as :meth:`protected_scores` lifts them."""
         b, parts, pos_parts, valid = kv.blocks, [], [], []
         for p in BITS:
             n = b.num_slots[p][r, li]                                                 # [m]
-            width = int(n.max())
+            width = int(n.max()) if n.numel() else 0
             if not width:
                 continue
             pos = b.slot_position[p][r, li, :width].long()                            # [m, width]
             parts.append(table[r[:, None], li[:, None], pos])
             pos_parts.append(pos)
             valid.append(torch.arange(width)[None, :] < n[:, None])
+        if not parts:
+            empty = torch.empty(r.shape[0], 0)
+            return empty, empty.long()
         cat = lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs, 1)   # noqa: E731
-        pos = cat(pos_parts)
-        s = self.protected_scores(cat(parts), pos, positions[bi] + 1, quotas[bi, li])
-        s = s.masked_fill(~cat(valid), float("inf"))                   # slots past the pair's entries
-        single = over[bi, li] == 1
-        drop = _lowest(s, pos) if bool(single.all()) else _lowest(s[single], pos[single])
-        actions = []
-        for i in (~single).nonzero().flatten().tolist():   # several at once: only after the budget fell
-            d = int(over[bi[i], li[i]])
-            by_pos = pos[i].argsort()
-            lowest = by_pos[s[i][by_pos].sort(stable=True).indices[:d]]   # by score, then position
-            actions.append((seqs[int(bi[i])], KVAction(int(li[i]), tuple(pos[i][lowest].tolist()),
-                                                       Precision.RELEASED)))
-        return Evictions(r[single], li[single], drop, tuple(actions))
+        pos, s = cat(pos_parts), cat(parts)
+        if quotas is not None:
+            s = self.protected_scores(s, pos, num_tokens, quotas)
+        return s.masked_fill(~cat(valid), float("inf")), pos          # slots past the pair's entries
+
+    def _static_victims(self, kv, table, r, li, next_pos, ids):
+        """``[m]`` the position each pair (rows ``r``, layers ``li``, ``[m]`` each, one entry over
+        its quota) releases, for a policy with ``static_scores``: a kept entry's score never
+        changes, and a generated token's is nondecreasing in its position. A row's kept entries
+        are ranked once (by score, then position: what :func:`_lowest` picks) and each eviction
+        takes the next in its layer. That entry is the lowest while it is still kept and scores at
+        most what the first token generated after the ranking scored (every later token scores at
+        least that, at a higher position). Where that does not hold (an entry released by another
+        path, the ranking used up, another sequence in the row), the row is ranked again.
+        ``next_pos [m]``: the position after the pair's sequence's last; ``ids``: ``(row, request
+        id)`` of every sequence of the step. Measured: SnapKV@0.33, 2,048-token prompts, batch 8 (docs/engine.md)."""
+        cfg = kv.cfg
+        if self._cursor is None or self._cursor.shape != (cfg.max_num_seqs, cfg.num_layers):
+            self._order = torch.zeros(cfg.max_num_seqs, cfg.num_layers, 0, dtype=torch.int32)
+            self._order_n = torch.zeros(cfg.max_num_seqs, cfg.num_layers, dtype=torch.int64)
+            self._cursor = torch.zeros(cfg.max_num_seqs, cfg.num_layers, dtype=torch.int64)
+            self._floor_pos = torch.zeros(cfg.max_num_seqs, dtype=torch.int64)
+            self._order_key = [None] * cfg.max_num_seqs
+            self._fresh = torch.zeros(cfg.max_num_seqs, dtype=torch.bool)   # per step: row ranked for its sequence
+        keys, width = self._order_key, self._order.shape[2]
+        fresh = self._fresh
+        fresh[[row for row, _ in ids]] = torch.tensor([keys[row] == rid for row, rid in ids])
+        c = self._cursor[r, li]
+        ok = fresh[r] & (c < self._order_n[r, li])
+        if width:
+            v = self._order[r, li, c.clamp(max=width - 1)].long()
+            floor = table[r, li, self._floor_pos[r]]
+            ok &= (kv.blocks.location[r, li, v] >= 0) & (table[r, li, v] <= floor)
+        if not bool(ok.all()):
+            stale, inv = r[~ok].unique(return_inverse=True)
+            nxt = torch.empty_like(stale)
+            nxt[inv] = next_pos[~ok]
+            self._rank(kv, table, stale, nxt, ids)
+            c = self._cursor[r, li]
+            v = self._order[r, li, c].long()
+        self._cursor[r, li] = c + 1
+        return v
+
+    def _rank(self, kv, table, rows, next_pos, ids):
+        """Rank the kept entries of every layer of ``rows [k]`` (whose next positions are
+        ``next_pos [k]``), lowest (score, position) first, for :meth:`_static_victims`."""
+        L, n_max = kv.cfg.num_layers, kv.cfg.max_model_len
+        rr, ll = rows.repeat_interleave(L), torch.arange(L).repeat(rows.shape[0])
+        s, pos = self._kept_scores(kv, table, rr, ll, None, None)
+        pos = pos.masked_fill(s == float("inf"), n_max)      # padding last (kept scores are finite)
+        by_pos = pos.argsort(1)
+        s, pos = s.gather(1, by_pos), pos.gather(1, by_pos)
+        ranked = pos.gather(1, s.sort(dim=1, stable=True).indices)                     # [k * L, W]
+        width = ranked.shape[1]
+        if width > self._order.shape[2]:
+            grown = torch.zeros(*self._order.shape[:2], min(max(width, 2 * self._order.shape[2]), n_max),
+                                dtype=torch.int32)
+            grown[:, :, :self._order.shape[2]] = self._order
+            self._order = grown
+        self._order[rr, ll, :width] = ranked.clamp(max=n_max - 1).to(torch.int32)
+        self._order_n[rr, ll] = kv.blocks.kept_counts(rows).flatten()
+        self._cursor[rows] = 0
+        self._floor_pos[rows] = next_pos.clamp(max=n_max - 1)
+        owner = dict(ids)
+        for row in rows.tolist():
+            self._order_key[row] = owner[row]
 
     def _decode_quotas(self, seqs, kv, rows, positions: torch.Tensor) -> torch.Tensor:
         """``[B, L]`` tokens each layer may keep now; a sequence's quotas are recomputed only when

@@ -32,6 +32,7 @@ class SnapKVPolicy(ScoredPolicy):
     kernel_size: int = 5
     pooling: str = "avg"
     name = "snapkv"
+    static_scores = True   # prompt scores fixed at prefill; a generated token's grow with its position
 
     def __post_init__(self):
         super().__post_init__()

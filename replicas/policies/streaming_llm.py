@@ -22,6 +22,7 @@ class StreamingLLMPolicy(ScoredPolicy):
     """
     num_sinks: int = 4
     name = "streaming_llm"
+    static_scores = True   # prompt scores fixed at prefill; a generated token's grow with its position
     compresses_chunks = True   # sinks and recency: scores depend on positions only
 
     def __post_init__(self):

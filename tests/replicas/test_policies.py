@@ -305,3 +305,58 @@ def test_eviction_ranks_kept_slots_and_breaks_ties_by_position():
     scores = torch.tensor([[3.0, 1.0, 1.0, 2.0], [5.0, 5.0, 5.0, float("inf")]])
     positions = torch.tensor([[7, 9, 4, 1], [8, 2, 6, 0]])   # slot order, not position order
     assert _lowest(scores, positions).tolist() == [4, 2]     # the +inf slot (past the entries) never wins
+
+
+@pytest.mark.parametrize("name", ["snapkv", "streaming_llm", "pyramidkv", "recency"])
+def test_static_victims_equal_a_full_ranking_every_step(monkeypatch, engine, chat_prompts, name):
+    """Policies with ``static_scores`` take each decode eviction from a ranking made once per row;
+    every victim must be the one ranking all kept entries picks (lowest score, then position),
+    through generated tokens evicted (budget 0.15), entries released by another path, a replica
+    budget that falls mid-run (several releases at once, then a new ranking) and a preemption (the
+    row recomputed)."""
+    from replicas.config import EngineConfig
+    from replicas.engine import LLMEngine
+    from replicas.policies.base import ScoredPolicy, _lowest
+    fast = ScoredPolicy._static_victims
+    seen = {"steps": 0, "ranked": 0}
+    rank = ScoredPolicy._rank
+
+    def checked(self, kv, table, r, li, next_pos, ids):
+        s, pos = self._kept_scores(kv, table, r, li, None, None)
+        want = _lowest(s, pos)
+        got = fast(self, kv, table, r, li, next_pos, ids)
+        assert torch.equal(got, want)
+        seen["steps"] += 1
+        return got
+
+    def counted(self, *a):
+        seen["ranked"] += 1
+        return rank(self, *a)
+
+    monkeypatch.setattr(ScoredPolicy, "_static_victims", checked)
+    monkeypatch.setattr(ScoredPolicy, "_rank", counted)
+    eng = LLMEngine(EngineConfig(kv_policy=name, kv_budget=0.3, kv_cache_bytes=8 << 20, max_num_seqs=6,
+                                 enforce_eager=True))
+    for i, p in enumerate([p for p in chat_prompts if len(p) < 400] * 2):   # 229-383 tokens
+        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=60, ignore_eos=True, temperature=0.8, seed=i))
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        if steps == 15:   # a running sequence recomputes later: its row is ranked anew
+            victim = next(q for q in eng.scheduler.running if len(q.output_token_ids) > 5)
+            eng.scheduler.preempt(victim)
+            ranked_before = seen["ranked"]
+        if steps == 20:   # another path releases the entry each layer of a row would release next
+            seq = eng.scheduler.running[0]
+            rid, row = seq.request_id, eng.kv.row(seq.request_id)
+            policy = eng.policy
+            for layer in range(eng.kv.cfg.num_layers):
+                s, pos = policy._kept_scores(eng.kv, policy.scores(eng.kv), torch.tensor([row]),
+                                             torch.tensor([layer]), None, None)
+                eng.kv.set_precision(rid, layer, _lowest(s, pos).tolist(), Precision.RELEASED)
+        if steps == 25:
+            eng.set_replica_budget(0.15)
+    assert victim.metrics.num_preemptions == 1 and len(victim.output_token_ids) == 60
+    assert seen["ranked"] > ranked_before
+    assert seen["steps"] > 3 * seen["ranked"] > 0
