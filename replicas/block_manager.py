@@ -7,8 +7,12 @@ into its place (attention does not depend on slot order: keys are stored after R
 returns to its pool as soon as it empties and bytes held always equal pages held.
 
 Everything is an array indexed by a sequence's *row* (``0 .. max_num_seqs - 1``), so a decode step
-updates the whole batch with a few tensor operations instead of a Python loop over sequences x
-layers (vLLM v1's block tables, nano-vllm's ``BlockManager``):
+updates the whole batch with a few array operations instead of a Python loop over sequences x
+layers (vLLM v1's block tables, nano-vllm's ``BlockManager``). The arrays are tensors (the
+attention kernels read the block tables); the per-step paths (:meth:`BlockManager.append_batch`,
+:meth:`BlockManager.release_one`) index NumPy views of the same memory, a third of PyTorch's cost
+per call on arrays this small (batch 8 x 6 layers: 54 against 140 us for the append, 84 against
+192 us for the release; docs/engine.md):
 
 ====================  ============================  ===========================================
 name                  shape, dtype                  meaning
@@ -47,6 +51,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from replicas.precision import BITS, Precision
@@ -61,6 +66,19 @@ class KVCacheOutOfMemory(RuntimeError):
 def loc_of(slot: torch.Tensor, precision) -> torch.Tensor:
     """Packed ``slot << 2 | precision`` (int32)."""
     return (slot.to(torch.int32) << 2) | int(precision)
+
+
+class _Views:
+    """NumPy arrays sharing memory with a :class:`BlockManager`'s tensors (allocated once, never
+    reallocated, so the views stay valid)."""
+
+    def __init__(self, bm: "BlockManager"):
+        self.block_table = {p: t.numpy() for p, t in bm.block_table.items()}
+        self.num_slots = {p: t.numpy() for p, t in bm.num_slots.items()}
+        self.num_pages = {p: t.numpy() for p, t in bm.num_pages.items()}
+        self.slot_position = {p: t.numpy() for p, t in bm.slot_position.items()}
+        self.location, self.next_position = bm.location.numpy(), bm.next_position.numpy()
+        self.row_bytes = bm.row_bytes.numpy()
 
 
 class BlockManager:
@@ -89,6 +107,9 @@ class BlockManager:
         self.row_bytes = torch.zeros(r, dtype=torch.int64)
         self.shared_pages = torch.zeros(r, dtype=torch.int64)
         self.snap_pages = {p: torch.zeros(r, l, dtype=torch.int64) for p in BITS}
+        # NumPy views of the same memory for the per-step batch paths (append_batch, release_one):
+        # an index operation on a few dozen entries costs 0.6-1.2 us in NumPy, 2-4 us in PyTorch.
+        self._np = _Views(self)
         self.num_unshared_pages = 0   # compressed-prefix pages copied by unshare (copy-on-write)
         self.has_snapshots = False    # set once a compressed prefix is shared: only then are snap_pages checked
         self.has_shared = False       # set once a row reads shared prefix pages: only then are they checked
@@ -397,23 +418,28 @@ class BlockManager:
             ValueError: a position not above its row's last one, or past ``max_model_len``.
             KVCacheOutOfMemory: the new pages do not fit (nothing changes).
         """
-        b, L, bs = rows.shape[0], self.num_layers, self.block_size
-        if bool((positions[:, None] < self.next_position[rows]).any()):
-            bad = int((positions[:, None] < self.next_position[rows]).any(1).nonzero()[0])
-            raise ValueError(f"row {int(rows[bad])}: positions must be new and at least "
-                             f"{int(self.next_position[rows[bad]].max())}, got {int(positions[bad])}")
-        if bool((positions >= self.max_model_len).any()):
-            raise ValueError(f"positions past max_model_len {self.max_model_len}: {positions.tolist()[:8]}")
-        pools = [(Precision.HIGH, None)] if targets is None else [
-            (p, targets == int(p)) for p in BITS if bool((targets == int(p)).any())]
+        v, L, bs = self._np, self.num_layers, self.block_size
+        rows_n, pos_n = rows.numpy(), positions.numpy()
+        b = rows_n.shape[0]
+        stale = pos_n[:, None] < v.next_position[rows_n]
+        if stale.any():
+            bad = int(stale.any(1).nonzero()[0][0])
+            raise ValueError(f"row {int(rows_n[bad])}: positions must be new and at least "
+                             f"{int(v.next_position[rows_n[bad]].max())}, got {int(pos_n[bad])}")
+        if (pos_n >= self.max_model_len).any():
+            raise ValueError(f"positions past max_model_len {self.max_model_len}: {pos_n.tolist()[:8]}")
+        if targets is None:
+            pools = [(Precision.HIGH, None)]
+        else:
+            t = targets.numpy()
+            pools = [(p, t == int(p)) for p in BITS if (t == int(p)).any()]
         plans, cost = [], 0
         for p, mask in pools:
-            slot = self.num_slots[p][rows]                                   # [B, L]
             if mask is None:
-                bi, li = torch.arange(b).repeat_interleave(L), torch.arange(L).repeat(b)
+                bi, li = np.repeat(np.arange(b), L), np.tile(np.arange(L), b)
             else:
-                bi, li = mask.nonzero(as_tuple=True)
-            slot = slot[bi, li]
+                bi, li = mask.nonzero()
+            slot = v.num_slots[p][rows_n[bi], li]
             opens = slot % bs == 0
             num_new = int(opens.sum())
             cost += num_new * self.page_costs[p]
@@ -421,70 +447,73 @@ class BlockManager:
         self.check_fits(cost, "a decode step's pages")
         out = {}
         for p, bi, li, slot, opens, num_new in plans:
-            r = rows[bi]
+            r, table = rows_n[bi], v.block_table[p]
             if num_new:
-                ids = torch.tensor(self._take(p, num_new), dtype=torch.int32)
                 ro, lo = r[opens], li[opens]
-                self.block_table[p][ro, lo, torch.div(slot[opens], bs, rounding_mode="floor")] = ids
-                self.num_pages[p][ro, lo] += 1
-                self.row_bytes.index_add_(0, ro, torch.full_like(ro, self.page_costs[p]))
+                table[ro, lo, slot[opens] // bs] = self._take(p, num_new)
+                v.num_pages[p][ro, lo] += 1
+                np.add.at(v.row_bytes, ro, self.page_costs[p])
                 self.bytes_used += num_new * self.page_costs[p]
-            flat = self.block_table[p][r, li, torch.div(slot, bs, rounding_mode="floor")].long() * bs + slot % bs
-            pos = positions[bi]
-            self.slot_position[p][r, li, slot] = pos.to(torch.int32)
-            self.location[r, li, pos] = loc_of(slot, p)
-            self.num_slots[p][r, li] += 1
-            mapping = torch.zeros(L, b, dtype=torch.int64)                   # trash slot 0
-            mapping[li, bi] = flat
-            out[p] = mapping
-        self.next_position[rows] = (positions + 1)[:, None]
+            pos = pos_n[bi]
+            v.slot_position[p][r, li, slot] = pos
+            v.location[r, li, pos] = (slot << 2) | int(p)
+            v.num_slots[p][r, li] += 1
+            mapping = np.zeros((L, b), dtype=np.int64)                           # trash slot 0
+            mapping[li, bi] = table[r, li, slot // bs].astype(np.int64) * bs + slot % bs
+            out[p] = torch.from_numpy(mapping)
+        v.next_position[rows_n] = (pos_n + 1)[:, None]
         return out
 
     def release_one(self, rows: torch.Tensor, layers: torch.Tensor, positions: torch.Tensor):
         """Release one kept entry per (row, layer) pair (pairs distinct) by swap-remove, as
         :meth:`remove` would one pair at a time. Returns ``{precision: (dst, src)}`` pool-flat
         indices of the data to move."""
-        loc = self.location[rows, layers, positions]
-        if bool((loc < 0).any()):
+        v, bs = self._np, self.block_size
+        rows_n, layers_n, pos_n = rows.numpy(), layers.numpy(), positions.numpy()
+        loc = v.location[rows_n, layers_n, pos_n]
+        if (loc < 0).any():
             raise ValueError("release_one: a position is not kept")
-        high = (loc & 3) == int(Precision.HIGH)
-        self.check_not_shared(rows[high], (loc[high] >> 2).long(), Precision.HIGH)
-        prec, slot = loc & 3, (loc >> 2).long()
-        if self.has_snapshots:
-            for p in BITS:
-                m = prec == int(p)
-                self.check_not_shared(rows[m], slot[m], p, layers[m])
-        self.location[rows, layers, positions] = -1
-        out, bs = {}, self.block_size
+        prec, slot = loc & 3, (loc >> 2).astype(np.int64)
+        if self.has_shared or self.has_snapshots:   # (tensors: the checks are rare)
+            t_prec, t_slot = torch.from_numpy(prec), torch.from_numpy(slot)
+            high = t_prec == int(Precision.HIGH)
+            self.check_not_shared(rows[high], t_slot[high], Precision.HIGH)
+            if self.has_snapshots:
+                for p in BITS:
+                    m = t_prec == int(p)
+                    self.check_not_shared(rows[m], t_slot[m], p, layers[m])
+        v.location[rows_n, layers_n, pos_n] = -1
+        out = {}
         for p in BITS:
             m = prec == int(p)
-            if not bool(m.any()):
+            if not m.any():
                 continue
-            r, l, hole = rows[m], layers[m], slot[m]
-            last = self.num_slots[p][r, l] - 1
+            r, l, hole = rows_n[m], layers_n[m], slot[m]
+            last = v.num_slots[p][r, l] - 1
             move = hole != last
-            table = self.block_table[p]
-            rm, lm, hm, sm = (r, l, hole, last) if bool(move.all()) else (r[move], l[move], hole[move], last[move])
-            dst = table[rm, lm, torch.div(hm, bs, rounding_mode="floor")].long() * bs + hm % bs
-            src = table[rm, lm, torch.div(sm, bs, rounding_mode="floor")].long() * bs + sm % bs
-            moved_pos = self.slot_position[p][rm, lm, sm]
-            self.slot_position[p][rm, lm, hm] = moved_pos
-            self.location[rm, lm, moved_pos.long()] = loc_of(hm, p)
-            self.num_slots[p][r, l] = last
+            table = v.block_table[p]
+            rm, lm, hm, sm = (r, l, hole, last) if move.all() else (r[move], l[move], hole[move], last[move])
+            dst = table[rm, lm, hm // bs].astype(np.int64) * bs + hm % bs
+            src = table[rm, lm, sm // bs].astype(np.int64) * bs + sm % bs
+            moved_pos = v.slot_position[p][rm, lm, sm]
+            v.slot_position[p][rm, lm, hm] = moved_pos
+            v.location[rm, lm, moved_pos] = (hm << 2) | int(p)
+            v.num_slots[p][r, l] = last
             empty = last % bs == 0                                            # the last page emptied
-            if bool(empty.any()):
+            if empty.any():
                 re, le = r[empty], l[empty]
-                self.give(p, table[re, le, torch.div(last[empty], bs, rounding_mode="floor")].tolist())
-                self.num_pages[p][re, le] -= 1
-                self.row_bytes.index_add_(0, re, torch.full_like(re, -self.page_costs[p]))
+                self.give(p, table[re, le, last[empty] // bs].tolist())
+                v.num_pages[p][re, le] -= 1
+                np.subtract.at(v.row_bytes, re, self.page_costs[p])
                 self.bytes_used -= int(empty.sum()) * self.page_costs[p]
-            out[p] = (dst, src)
+            out[p] = (torch.from_numpy(dst), torch.from_numpy(src))
         return out
 
     # ------------------------------------------------------------------ reads
     def kept_counts(self, rows: torch.Tensor) -> torch.Tensor:
         """``[B, L]`` entries kept per (row, layer), all precisions."""
-        return sum(self.num_slots[p][rows] for p in BITS)
+        r = rows.numpy()
+        return torch.from_numpy(sum(self._np.num_slots[p][r] for p in BITS))
 
     def next_token_bytes(self, rows: torch.Tensor) -> int:
         """Bytes the next decode token of ``rows`` may need in all: a HIGH page in each layer whose
