@@ -562,12 +562,13 @@ class LLMEngine:
         entries released (counted in ``metrics.budget_fallbacks``; the baselines and PASK never
         need it). A demotion that needs a LOW page the pool cannot give preempts the sequence
         (recomputed later, its sampled tokens kept)."""
-        if not seqs:
+        budgets = [s.kv_budget for s in seqs]
+        if not seqs or min(budgets) >= 1.0:   # full KV: nothing to hold
             return
         kv = self.kv
         row_of = kv.seqs
         rows = torch.tensor([row_of[s.request_id] for s in seqs], dtype=torch.int64)
-        budgets = torch.tensor([s.kv_budget for s in seqs], dtype=torch.float64)
+        budgets = torch.tensor(budgets, dtype=torch.float64)
         allowed = budgets * kv.full_kv_bytes_batch(lengths).double()
         over = (budgets < 1.0) & (kv.blocks.row_bytes[rows].double() > allowed + 1e-6)
         for i in over.nonzero().flatten().tolist():
