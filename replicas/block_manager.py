@@ -436,7 +436,7 @@ class BlockManager:
         plans, cost = [], 0
         for p, mask in pools:
             if mask is None:
-                bi, li = np.repeat(np.arange(b), L), np.tile(np.arange(L), b)
+                bi, li = np.divmod(np.arange(b * L), L)
             else:
                 bi, li = mask.nonzero()
             slot = v.num_slots[p][rows_n[bi], li]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 import kernels
@@ -410,7 +411,7 @@ class KVCache:
             if self._off_host:
                 dst, src = dst.to(self.device), src.to(self.device)
             for f in self.pools[precision].flat_tensors:
-                f[dst] = f[src]
+                f.index_copy_(0, dst, f.index_select(0, src))   # (half the cost of f[dst] = f[src])
 
     def append(self, seq_id, layer: int, positions, k: torch.Tensor, v: torch.Tensor,
                precision: Precision = Precision.HIGH) -> None:
@@ -587,17 +588,21 @@ class KVCache:
         return plan
 
     def _attention_tables(self, plan: DecodePlan, targets: torch.Tensor | None = None) -> None:
-        b = self.blocks
+        """Each pool's ``[L, B, width]`` block tables and ``[L, B]`` context lengths of the batch
+        (gathered from the block manager's NumPy views: a few small index operations a step)."""
+        v, rows = self.blocks._np, plan.rows.numpy()
+        t = targets.numpy() if targets is not None else None
         for p in BITS:
-            lens = b.num_slots[p][plan.rows]                              # [B, L]
-            if targets is not None and p != Precision.HIGH:
-                lens = lens - (targets == int(p)).long()   # the new token (last slot) attends exactly
+            lens = v.num_slots[p][rows]                                   # [B, L]
+            if t is not None and p != Precision.HIGH:
+                lens = lens - (t == int(p))        # the new token (last slot) attends exactly
             active = (lens > 0).any(0).tolist()
             if not any(active):
                 continue
-            width = max(1, int(b.num_pages[p][plan.rows].max()))
-            plan.block_tables[p] = b.block_table[p][plan.rows, :, :width].transpose(0, 1).contiguous().to(self.device)
-            plan.context_lens[p] = lens.t().to(torch.int32).contiguous().to(self.device)
+            width = max(1, int(v.num_pages[p][rows].max()))
+            tables = np.ascontiguousarray(v.block_table[p][rows, :, :width].transpose(1, 0, 2))
+            plan.block_tables[p] = torch.from_numpy(tables).to(self.device)
+            plan.context_lens[p] = torch.from_numpy(np.ascontiguousarray(lens.T, dtype=np.int32)).to(self.device)
             plan.active[p] = active
 
     def store(self, plan: DecodePlan, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
