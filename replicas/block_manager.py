@@ -68,6 +68,10 @@ def loc_of(slot: torch.Tensor, precision) -> torch.Tensor:
     return (slot.to(torch.int32) << 2) | int(precision)
 
 
+# ufunc reductions: one C call each (``ndarray.any()`` / ``.sum()`` go through two Python wrappers)
+_any, _all, _sum = np.logical_or.reduce, np.logical_and.reduce, np.add.reduce
+
+
 class _Views:
     """NumPy arrays sharing memory with a :class:`BlockManager`'s tensors (allocated once, never
     reallocated, so the views stay valid)."""
@@ -422,17 +426,21 @@ class BlockManager:
         rows_n, pos_n = rows.numpy(), positions.numpy()
         b = rows_n.shape[0]
         stale = pos_n[:, None] < v.next_position[rows_n]
-        if stale.any():
+        if _any(stale, axis=None):
             bad = int(stale.any(1).nonzero()[0][0])
             raise ValueError(f"row {int(rows_n[bad])}: positions must be new and at least "
                              f"{int(v.next_position[rows_n[bad]].max())}, got {int(pos_n[bad])}")
-        if (pos_n >= self.max_model_len).any():
+        if _any(pos_n >= self.max_model_len):
             raise ValueError(f"positions past max_model_len {self.max_model_len}: {pos_n.tolist()[:8]}")
         if targets is None:
             pools = [(Precision.HIGH, None)]
         else:
             t = targets.numpy()
-            pools = [(p, t == int(p)) for p in BITS if (t == int(p)).any()]
+            pools = []
+            for p in BITS:
+                m = t == int(p)
+                if _any(m, axis=None):
+                    pools.append((p, m))
         plans, cost = [], 0
         for p, mask in pools:
             if mask is None:
@@ -441,7 +449,7 @@ class BlockManager:
                 bi, li = mask.nonzero()
             slot = v.num_slots[p][rows_n[bi], li]
             opens = slot % bs == 0
-            num_new = int(opens.sum())
+            num_new = int(_sum(opens))
             cost += num_new * self.page_costs[p]
             plans.append((p, bi, li, slot, opens, num_new))
         self.check_fits(cost, "a decode step's pages")
@@ -467,11 +475,11 @@ class BlockManager:
     def release_one(self, rows: torch.Tensor, layers: torch.Tensor, positions: torch.Tensor):
         """Release one kept entry per (row, layer) pair (pairs distinct) by swap-remove, as
         :meth:`remove` would one pair at a time. Returns ``{precision: (dst, src)}`` pool-flat
-        indices of the data to move."""
+        indices of the data to move (``[n]`` int64 NumPy arrays)."""
         v, bs = self._np, self.block_size
         rows_n, layers_n, pos_n = rows.numpy(), layers.numpy(), positions.numpy()
         loc = v.location[rows_n, layers_n, pos_n]
-        if (loc < 0).any():
+        if _any(loc < 0):
             raise ValueError("release_one: a position is not kept")
         prec, slot = loc & 3, (loc >> 2).astype(np.int64)
         if self.has_shared or self.has_snapshots:   # (tensors: the checks are rare)
@@ -486,13 +494,13 @@ class BlockManager:
         out = {}
         for p in BITS:
             m = prec == int(p)
-            if not m.any():
+            if not _any(m):
                 continue
             r, l, hole = rows_n[m], layers_n[m], slot[m]
             last = v.num_slots[p][r, l] - 1
             move = hole != last
             table = v.block_table[p]
-            rm, lm, hm, sm = (r, l, hole, last) if move.all() else (r[move], l[move], hole[move], last[move])
+            rm, lm, hm, sm = (r, l, hole, last) if _all(move) else (r[move], l[move], hole[move], last[move])
             dst = table[rm, lm, hm // bs].astype(np.int64) * bs + hm % bs
             src = table[rm, lm, sm // bs].astype(np.int64) * bs + sm % bs
             moved_pos = v.slot_position[p][rm, lm, sm]
@@ -500,20 +508,20 @@ class BlockManager:
             v.location[rm, lm, moved_pos] = (hm << 2) | int(p)
             v.num_slots[p][r, l] = last
             empty = last % bs == 0                                            # the last page emptied
-            if empty.any():
+            if _any(empty):
                 re, le = r[empty], l[empty]
                 self.give(p, table[re, le, last[empty] // bs].tolist())
                 v.num_pages[p][re, le] -= 1
                 np.subtract.at(v.row_bytes, re, self.page_costs[p])
-                self.bytes_used -= int(empty.sum()) * self.page_costs[p]
-            out[p] = (torch.from_numpy(dst), torch.from_numpy(src))
+                self.bytes_used -= int(_sum(empty)) * self.page_costs[p]
+            out[p] = (dst, src)
         return out
 
     # ------------------------------------------------------------------ reads
     def kept_counts(self, rows: torch.Tensor) -> torch.Tensor:
         """``[B, L]`` entries kept per (row, layer), all precisions."""
-        r = rows.numpy()
-        return torch.from_numpy(sum(self._np.num_slots[p][r] for p in BITS))
+        r, n = rows.numpy(), self._np.num_slots
+        return torch.from_numpy(n[Precision.HIGH][r] + n[Precision.INT8][r] + n[Precision.INT4][r])
 
     def next_token_bytes(self, rows: torch.Tensor) -> int:
         """Bytes the next decode token of ``rows`` may need in all: a HIGH page in each layer whose

@@ -143,6 +143,12 @@ class _Pool:
         self.k_scale_flat, self.v_scale_flat = flat(self.k_scale), flat(self.v_scale)
         self.flat_tensors = [t for t in (self.k_flat, self.v_flat, self.k_scale_flat, self.v_scale_flat)
                              if t is not None]
+        # On the host, NumPy views of the same memory for the step's moves (fancy indexing at a
+        # third of PyTorch's cost per call); None where NumPy lacks the dtype (bfloat16).
+        try:
+            self.flat_arrays = [t.numpy() for t in self.flat_tensors] if self.k.device.type == "cpu" else None
+        except TypeError:
+            self.flat_arrays = None
 
     def tensors(self):
         return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
@@ -374,7 +380,8 @@ class KVCache:
         attention reads whole pages: masked slots must be finite)."""
         pool = self.pools[precision]
         free = self.blocks.free_pages[precision]
-        top = len(pool.k) - len(free)      # pages ever handed out, trash included, at most
+        top = pool.k.shape[0] - len(free)  # pages ever handed out, trash included, at most
+        # (shape[0], not len(): a tensor's __len__ is five Python calls)
         if top > pool.fresh_from:
             for t in pool.tensors():
                 t[pool.fresh_from:top] = 0
@@ -406,12 +413,21 @@ class KVCache:
         return (kernels.dequantize_ref(pool.k_flat[flat], pool.k_scale_flat[flat], pool.bits, self.cfg.dtype),
                 kernels.dequantize_ref(pool.v_flat[flat], pool.v_scale_flat[flat], pool.bits, self.cfg.dtype))
 
-    def _move(self, precision: Precision, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if dst.numel():
+    def _move(self, precision: Precision, dst, src) -> None:
+        """``pool[dst] = pool[src]`` for the pool-flat slots ``dst, src`` (``[n]`` int64, tensors
+        or NumPy arrays)."""
+        if dst.shape[0]:   # (not len(): a tensor's __len__ is five Python calls)
+            pool = self.pools[precision]
+            if isinstance(dst, np.ndarray):
+                if pool.flat_arrays is not None:
+                    for f in pool.flat_arrays:
+                        f[dst] = f[src]
+                    return
+                dst, src = torch.from_numpy(dst), torch.from_numpy(src)
             if self._off_host:
                 dst, src = dst.to(self.device), src.to(self.device)
-            for f in self.pools[precision].flat_tensors:
-                f.index_copy_(0, dst, f.index_select(0, src))   # (half the cost of f[dst] = f[src])
+            for f in pool.flat_tensors:
+                f[dst] = f[src]
 
     def append(self, seq_id, layer: int, positions, k: torch.Tensor, v: torch.Tensor,
                precision: Precision = Precision.HIGH) -> None:
@@ -596,13 +612,14 @@ class KVCache:
             lens = v.num_slots[p][rows]                                   # [B, L]
             if t is not None and p != Precision.HIGH:
                 lens = lens - (t == int(p))        # the new token (last slot) attends exactly
-            active = (lens > 0).any(0).tolist()
+            active = np.logical_or.reduce(lens > 0).tolist()
             if not any(active):
                 continue
-            width = max(1, int(v.num_pages[p][rows].max()))
-            tables = np.ascontiguousarray(v.block_table[p][rows, :, :width].transpose(1, 0, 2))
-            plan.block_tables[p] = torch.from_numpy(tables).to(self.device)
-            plan.context_lens[p] = torch.from_numpy(np.ascontiguousarray(lens.T, dtype=np.int32)).to(self.device)
+            width = max(1, int(np.maximum.reduce(v.num_pages[p][rows], axis=None)))
+            tables = torch.from_numpy(np.ascontiguousarray(v.block_table[p][rows, :, :width].transpose(1, 0, 2)))
+            lens = torch.from_numpy(np.ascontiguousarray(lens.T, dtype=np.int32))
+            plan.block_tables[p], plan.context_lens[p] = (tables.to(self.device), lens.to(self.device)) \
+                if self._off_host else (tables, lens)
             plan.active[p] = active
 
     def store(self, plan: DecodePlan, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
