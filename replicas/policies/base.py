@@ -65,6 +65,14 @@ def _lowest(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return torch.where(scores == low, positions, torch.iinfo(positions.dtype).max).min(1).values
 
 
+def _ranked(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``positions [n, T]`` of each row reordered lowest score first, the lowest position first
+    among equal scores (the order :func:`_lowest` picks from)."""
+    by_pos = positions.argsort(-1)
+    pos = positions.gather(-1, by_pos)
+    return pos.gather(-1, scores.gather(-1, by_pos).sort(dim=-1, stable=True).indices)
+
+
 def check_prefill_tokens(value) -> None:
     """Raises ValueError unless ``value`` is None or a positive int (a prefill budget in tokens)."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -264,11 +272,10 @@ class ScoredPolicy(KVPolicy):
         many = (~single).nonzero().flatten()
         s, pos = self._kept_scores(kv, table, r[many], li[many], nxt[many], q[many])
         actions = []
+        order = _ranked(s, pos)
         for j, i in enumerate(many.tolist()):
             d = int(over[bi[i], li[i]])
-            by_pos = pos[j].argsort()
-            lowest = by_pos[s[j][by_pos].sort(stable=True).indices[:d]]   # by score, then position
-            actions.append((seqs[int(bi[i])], KVAction(int(li[i]), tuple(pos[j][lowest].tolist()),
+            actions.append((seqs[int(bi[i])], KVAction(int(li[i]), tuple(order[j, :d].tolist()),
                                                        Precision.RELEASED)))
             if self._order_key is not None:
                 self._order_key[int(r[i])] = None     # ranked again at its next eviction
@@ -350,9 +357,7 @@ class ScoredPolicy(KVPolicy):
         rr, ll = rows.repeat_interleave(L), torch.arange(L).repeat(rows.shape[0])
         s, pos = self._kept_scores(kv, table, rr, ll, None, None)
         pos = pos.masked_fill(s == float("inf"), n_max)      # padding last (kept scores are finite)
-        by_pos = pos.argsort(1)
-        s, pos = s.gather(1, by_pos), pos.gather(1, by_pos)
-        ranked = pos.gather(1, s.sort(dim=1, stable=True).indices)                     # [k * L, W]
+        ranked = _ranked(s, pos)                                                       # [k * L, W]
         width = ranked.shape[1]
         if width > self._order.shape[2]:
             grown = torch.zeros(*self._order.shape[:2], min(max(width, 2 * self._order.shape[2]), n_max),
