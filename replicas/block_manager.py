@@ -72,7 +72,7 @@ def loc_of(slot: torch.Tensor, precision) -> torch.Tensor:
 _any, _all, _sum = np.logical_or.reduce, np.logical_and.reduce, np.add.reduce
 
 
-class _Views:
+class ArrayViews:
     """NumPy arrays sharing memory with a :class:`BlockManager`'s tensors (allocated once, never
     reallocated, so the views stay valid)."""
 
@@ -113,7 +113,7 @@ class BlockManager:
         self.snap_pages = {p: torch.zeros(r, l, dtype=torch.int64) for p in BITS}
         # NumPy views of the same memory for the per-step batch paths (append_batch, release_one):
         # an index operation on a few dozen entries costs 0.6-1.2 us in NumPy, 2-4 us in PyTorch.
-        self._np = _Views(self)
+        self.views = ArrayViews(self)
         self.num_unshared_pages = 0   # compressed-prefix pages copied by unshare (copy-on-write)
         self.has_snapshots = False    # set once a compressed prefix is shared: only then are snap_pages checked
         self.has_shared = False       # set once a row reads shared prefix pages: only then are they checked
@@ -422,7 +422,7 @@ class BlockManager:
             ValueError: a position not above its row's last one, or past ``max_model_len``.
             KVCacheOutOfMemory: the new pages do not fit (nothing changes).
         """
-        v, L, bs = self._np, self.num_layers, self.block_size
+        v, L, bs = self.views, self.num_layers, self.block_size
         rows_n, pos_n = rows.numpy(), positions.numpy()
         b = rows_n.shape[0]
         stale = pos_n[:, None] < v.next_position[rows_n]
@@ -476,7 +476,7 @@ class BlockManager:
         """Release one kept entry per (row, layer) pair (pairs distinct) by swap-remove, as
         :meth:`remove` would one pair at a time. Returns ``{precision: (dst, src)}`` pool-flat
         indices of the data to move (``[n]`` int64 NumPy arrays)."""
-        v, bs = self._np, self.block_size
+        v, bs = self.views, self.block_size
         rows_n, layers_n, pos_n = rows.numpy(), layers.numpy(), positions.numpy()
         loc = v.location[rows_n, layers_n, pos_n]
         if _any(loc < 0):
@@ -520,7 +520,7 @@ class BlockManager:
     # ------------------------------------------------------------------ reads
     def kept_counts(self, rows: torch.Tensor) -> torch.Tensor:
         """``[B, L]`` entries kept per (row, layer), all precisions."""
-        r, n = rows.numpy(), self._np.num_slots
+        r, n = rows.numpy(), self.views.num_slots
         return torch.from_numpy(n[Precision.HIGH][r] + n[Precision.INT8][r] + n[Precision.INT4][r])
 
     def next_token_bytes(self, rows: torch.Tensor) -> int:

@@ -606,7 +606,7 @@ class KVCache:
     def _attention_tables(self, plan: DecodePlan, targets: torch.Tensor | None = None) -> None:
         """Each pool's ``[L, B, width]`` block tables and ``[L, B]`` context lengths of the batch
         (gathered from the block manager's NumPy views: a few small index operations a step)."""
-        v, rows = self.blocks._np, plan.rows.numpy()
+        v, rows = self.blocks.views, plan.rows.numpy()
         t = targets.numpy() if targets is not None else None
         for p in BITS:
             lens = v.num_slots[p][rows]                                   # [B, L]
