@@ -325,11 +325,11 @@ class KVCache:
         """Bytes that full KV (HIGH, all layers) would hold for ``num_tokens`` tokens."""
         return self.cfg.num_layers * math.ceil(num_tokens / self.cfg.block_size) * self._page_cost[Precision.HIGH]
 
-    def full_kv_bytes_batch(self, num_tokens: list[int]) -> torch.Tensor:
-        """:meth:`full_kv_bytes` of each count, in one tensor op: ``[n]`` int64."""
+    def full_kv_bytes_batch(self, num_tokens: list[int]) -> np.ndarray:
+        """:meth:`full_kv_bytes` of each count, in one array op: ``[n]`` int64."""
         bs = self.cfg.block_size
-        pages = torch.tensor(num_tokens, dtype=torch.int64).add_(bs - 1).div_(bs, rounding_mode="floor")
-        return pages.mul_(self.cfg.num_layers * self._page_cost[Precision.HIGH])
+        pages = (np.asarray(num_tokens, dtype=np.int64) + (bs - 1)) // bs
+        return pages * (self.cfg.num_layers * self._page_cost[Precision.HIGH])
 
     def num_kept(self, seq_id, layer: int, precision: Precision | None = None) -> int:
         row = self.blocks.rows[seq_id]

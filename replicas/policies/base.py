@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from replicas.kv_cache import KVCache, Precision
@@ -120,15 +121,18 @@ class ScoredPolicy(KVPolicy):
     prefill_tokens: int | None = field(default=None, kw_only=True)
     block_size = 16
     _scores: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
-    _quota: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _scores_np: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    _quota: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
     _quota_key: list | None = field(default=None, init=False, repr=False, compare=False)
     # The ranking of :meth:`_static_victims`: per (row, layer) kept positions, lowest first.
-    _order: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
-    _order_n: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
-    _cursor: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
-    _floor_pos: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    # NumPy, as the per-step state below: an index operation on a batch's few dozen (row, layer)
+    # pairs costs about 1 us in NumPy and 3-10 us in PyTorch.
+    _order: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    _order_n: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    _cursor: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    _floor_pos: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
     _order_key: list | None = field(default=None, init=False, repr=False, compare=False)
-    _fresh: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _fresh: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
     static_scores = False   # see _static_victims; never with protected_scores overridden
 
     def __post_init__(self):
@@ -193,6 +197,7 @@ class ScoredPolicy(KVPolicy):
         shape = (cfg.max_num_seqs, cfg.num_layers, cfg.max_model_len)
         if self._scores is None or tuple(self._scores.shape) != shape:
             self._scores = torch.full(shape, float("-inf"))
+            self._scores_np = self._scores.numpy()   # the same memory, for the per-step paths
         return self._scores
 
     # -------------------------------------------------------------- hooks of the engine
@@ -229,7 +234,7 @@ class ScoredPolicy(KVPolicy):
     def decode_scores(self, seqs: list[Sequence], positions: torch.Tensor, num_layers: int) -> torch.Tensor:
         """``[B, L]`` score of each sequence's new token (at ``positions [B]``) in every layer;
         default: recency (its position), below protected tokens."""
-        return positions.float()[:, None].expand(-1, num_layers)
+        return torch.from_numpy(np.repeat(positions.numpy().astype(np.float32)[:, None], num_layers, axis=1))
 
     def observe_decode_batch(self, seqs: list[Sequence], kv: KVCache, rows: torch.Tensor,
                              positions: torch.Tensor, queries: dict[int, torch.Tensor]) -> None:
@@ -254,17 +259,21 @@ class ScoredPolicy(KVPolicy):
         if positions is None:
             positions = torch.tensor([s.num_tokens - 1 for s in seqs], dtype=torch.int64)
         table = self.scores(kv)
-        table[rows, :, positions] = self.decode_scores(seqs, positions, L)             # [B, L]
+        rows_n, pos_n = rows.numpy(), positions.numpy()
+        self._scores_np[rows_n, :, pos_n] = self.decode_scores(seqs, positions, L).numpy()   # [B, L]
         self.observe_decode_batch(seqs, kv, rows, positions, queries)
-        quotas = self._decode_quotas(seqs, kv, rows, positions)                       # [B, L]
-        over = kv.blocks.kept_counts(rows) - quotas
-        bi, li = (over > 0).nonzero(as_tuple=True)
-        if not bi.numel():
+        quotas = self._decode_quotas(seqs, kv, rows_n, pos_n)                         # [B, L]
+        over = kv.blocks.kept_counts(rows).numpy() - quotas
+        bi, li = np.nonzero(over > 0)
+        if not bi.size:
             return None
-        r, single, nxt, q = rows[bi], over[bi, li] == 1, positions[bi] + 1, quotas[bi, li]
-        ids = [(row, seq.request_id) for row, seq in zip(rows.tolist(), seqs)] if self.static_scores else None
-        if bool(single.all()):
+        t = torch.from_numpy
+        r, single, nxt, q = t(rows_n[bi]), over[bi, li] == 1, t(pos_n[bi] + 1), t(quotas[bi, li])
+        ids = [(row, seq.request_id) for row, seq in zip(rows_n.tolist(), seqs)] if self.static_scores else None
+        li = t(li)
+        if single.all():
             return Evictions(r, li, self._lowest_kept(kv, table, r, li, nxt, q, ids), ())
+        over, bi, single = t(over), t(bi), t(single)
         one = single.nonzero().flatten()
         drop = self._lowest_kept(kv, table, r[one], li[one], nxt[one], q[one], ids) if one.numel() \
             else torch.empty(0, dtype=torch.int64)
@@ -325,30 +334,30 @@ class ScoredPolicy(KVPolicy):
         id)`` of every sequence of the step. Measured: SnapKV@0.33, 2,048-token prompts, batch 8 (docs/engine.md)."""
         cfg = kv.cfg
         if self._cursor is None or self._cursor.shape != (cfg.max_num_seqs, cfg.num_layers):
-            self._order = torch.zeros(cfg.max_num_seqs, cfg.num_layers, 0, dtype=torch.int32)
-            self._order_n = torch.zeros(cfg.max_num_seqs, cfg.num_layers, dtype=torch.int64)
-            self._cursor = torch.zeros(cfg.max_num_seqs, cfg.num_layers, dtype=torch.int64)
-            self._floor_pos = torch.zeros(cfg.max_num_seqs, dtype=torch.int64)
+            self._order = np.zeros((cfg.max_num_seqs, cfg.num_layers, 0), dtype=np.int32)
+            self._order_n = np.zeros((cfg.max_num_seqs, cfg.num_layers), dtype=np.int64)
+            self._cursor = np.zeros((cfg.max_num_seqs, cfg.num_layers), dtype=np.int64)
+            self._floor_pos = np.zeros(cfg.max_num_seqs, dtype=np.int64)
             self._order_key = [None] * cfg.max_num_seqs
-            self._fresh = torch.zeros(cfg.max_num_seqs, dtype=torch.bool)   # per step: row ranked for its sequence
-        keys, width = self._order_key, self._order.shape[2]
-        fresh = self._fresh
-        fresh[[row for row, _ in ids]] = torch.tensor([keys[row] == rid for row, rid in ids])
-        c = self._cursor[r, li]
-        ok = fresh[r] & (c < self._order_n[r, li])
+            self._fresh = np.zeros(cfg.max_num_seqs, dtype=bool)   # per step: row ranked for its sequence
+        keys, width, fresh, scores = self._order_key, self._order.shape[2], self._fresh, self._scores_np
+        rn, ln = r.numpy(), li.numpy()
+        fresh[[row for row, _ in ids]] = [keys[row] == rid for row, rid in ids]
+        c = self._cursor[rn, ln]
+        ok = fresh[rn] & (c < self._order_n[rn, ln])
         if width:
-            v = self._order[r, li, c.clamp(max=width - 1)].long()
-            floor = table[r, li, self._floor_pos[r]]
-            ok &= (kv.blocks.location[r, li, v] >= 0) & (table[r, li, v] <= floor)
-        if not bool(ok.all()):
-            stale, inv = r[~ok].unique(return_inverse=True)
-            nxt = torch.empty_like(stale)
-            nxt[inv] = next_pos[~ok]
-            self._rank(kv, table, stale, nxt, ids)
-            c = self._cursor[r, li]
-            v = self._order[r, li, c].long()
-        self._cursor[r, li] = c + 1
-        return v
+            v = self._order[rn, ln, np.minimum(c, width - 1)].astype(np.int64)
+            floor = scores[rn, ln, self._floor_pos[rn]]
+            ok &= (kv.blocks.views.location[rn, ln, v] >= 0) & (scores[rn, ln, v] <= floor)
+        if not ok.all():
+            stale, inv = np.unique(rn[~ok], return_inverse=True)
+            nxt = np.empty_like(stale)
+            nxt[inv] = next_pos.numpy()[~ok]
+            self._rank(kv, table, torch.from_numpy(stale), torch.from_numpy(nxt), ids)
+            c = self._cursor[rn, ln]
+            v = self._order[rn, ln, c].astype(np.int64)
+        self._cursor[rn, ln] = c + 1
+        return torch.from_numpy(v)
 
     def _rank(self, kv, table, rows, next_pos, ids):
         """Rank the kept entries of every layer of ``rows [k]`` (whose next positions are
@@ -360,26 +369,28 @@ class ScoredPolicy(KVPolicy):
         ranked = _ranked(s, pos)                                                       # [k * L, W]
         width = ranked.shape[1]
         if width > self._order.shape[2]:
-            grown = torch.zeros(*self._order.shape[:2], min(max(width, 2 * self._order.shape[2]), n_max),
-                                dtype=torch.int32)
+            grown = np.zeros((*self._order.shape[:2], min(max(width, 2 * self._order.shape[2]), n_max)),
+                             dtype=np.int32)
             grown[:, :, :self._order.shape[2]] = self._order
             self._order = grown
-        self._order[rr, ll, :width] = ranked.clamp(max=n_max - 1).to(torch.int32)
-        self._order_n[rr, ll] = kv.blocks.kept_counts(rows).flatten()
-        self._cursor[rows] = 0
-        self._floor_pos[rows] = next_pos.clamp(max=n_max - 1)
+        rr, ll, rows_n = rr.numpy(), ll.numpy(), rows.numpy()
+        self._order[rr, ll, :width] = ranked.clamp(max=n_max - 1).numpy()
+        self._order_n[rr, ll] = kv.blocks.kept_counts(rows).numpy().ravel()
+        self._cursor[rows_n] = 0
+        self._floor_pos[rows_n] = np.minimum(next_pos.numpy(), n_max - 1)
         owner = dict(ids)
         for row in rows.tolist():
             self._order_key[row] = owner[row]
 
-    def _decode_quotas(self, seqs, kv, rows, positions: torch.Tensor) -> torch.Tensor:
-        """``[B, L]`` tokens each layer may keep now; a sequence's quotas are recomputed only when
-        they can change (budget mode: its page count; prefill-token mode: they grow by one per
-        generated token, from a fixed split)."""
+    def _decode_quotas(self, seqs, kv, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """``[B, L]`` int64 tokens each layer may keep now (``rows``, ``positions``: ``[B]``
+        int64); a sequence's quotas are recomputed only when they can change (budget mode: its
+        page count; prefill-token mode: they grow by one per generated token, from a fixed
+        split)."""
         cfg = kv.cfg
         self.block_size = cfg.block_size
         if self._quota is None or self._quota.shape != (cfg.max_num_seqs, cfg.num_layers):
-            self._quota = torch.zeros(cfg.max_num_seqs, cfg.num_layers, dtype=torch.int64)
+            self._quota = np.zeros((cfg.max_num_seqs, cfg.num_layers), dtype=np.int64)
             self._quota_key = [None] * cfg.max_num_seqs
         budget_mode, bs, keys = self.prefill_tokens is None, cfg.block_size, self._quota_key
         extra = [0] * len(seqs)
@@ -391,9 +402,9 @@ class ScoredPolicy(KVPolicy):
                 key, extra[i] = (seq.request_id, num_prompt), n - num_prompt
             if keys[row] != key:
                 q = self.layer_quotas(seq, cfg.num_layers, seq.kv_budget, n)
-                self._quota[row] = torch.tensor(q) - extra[i]
+                self._quota[row] = np.asarray(q, dtype=np.int64) - extra[i]
                 keys[row] = key
-        return self._quota[rows] if budget_mode else self._quota[rows] + torch.tensor(extra)[:, None]
+        return self._quota[rows] if budget_mode else self._quota[rows] + np.asarray(extra, dtype=np.int64)[:, None]
 
     def on_decode(self, view: DecodeView) -> list[KVAction]:
         kv, seq = view.kv, view.seq

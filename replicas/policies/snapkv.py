@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -66,4 +67,5 @@ class SnapKVPolicy(ScoredPolicy):
         return smoothed
 
     def decode_scores(self, seqs, positions, num_layers):
-        return (PROTECT + positions.double()).float()[:, None].expand(-1, num_layers)
+        score = (PROTECT + positions.numpy().astype(np.float64)).astype(np.float32)   # (NumPy: per step)
+        return torch.from_numpy(np.repeat(score[:, None], num_layers, axis=1))
