@@ -173,6 +173,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalized in float32, scaled in the input dtype, as Hugging Face's Llama / Qwen3
         # RMSNorm; PyTorch's fused op (one call instead of five: 8 against 11 us at decode shapes).
+        if x.dtype == torch.float32:   # the weight inside the fused op: the same values, one pass less
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
@@ -191,22 +193,29 @@ def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: floa
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
                  llama3_rope: tuple[float, ...] = ()):
-    """cos, sin of shape [T, head_dim] for integer ``positions [T]`` (HF "rotate half" layout);
-    ``llama3_rope``: ``ModelConfig.llama3_rope``."""
+    """``cos, sin`` of shape ``[T, 1, head_dim]`` for integer ``positions [T]``, as
+    :func:`apply_rope` takes them: Hugging Face's "rotate half" layout, the first half of ``sin``
+    negated (``cos = [c, c]``, ``sin = [-s, s]``); ``llama3_rope``: ``ModelConfig.llama3_rope``."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
                                              device=positions.device) / head_dim))
     if llama3_rope:
         inv_freq = llama3_inv_freq(inv_freq, *llama3_rope)
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    sin = emb.sin()
+    sin[:, :head_dim // 2].neg_()
+    return emb.cos().to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, H, D]`` by ``cos, sin [T, D]``."""
+    """Rotate ``x [T, H, D]`` by ``cos, sin [T, 1, D]`` from :func:`rope_cos_sin`: Hugging Face's
+    ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]``, computed as ``x * cos
+    + [x2, x1] * [-s, s]`` (the same products, so the same float32 values) in three passes and
+    one copy instead of six (0.5 against 6.3 ms for ``[5461, 8, 32]`` on this project's 2-core
+    CPU: a quarter of a 2,048-token prefill's time outside attention and the projections)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    rotated = torch.cat([x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos).add_(rotated.mul_(sin))
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -293,7 +302,11 @@ class MLP(nn.Module):
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x):
-        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if torch.is_grad_enabled():
+            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        else:   # serving: in place, the same values with one [T, intermediate] buffer fewer
+            h = F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x))
+        out = self.down_proj(h)
         return self.reduce(out) if self.reduce else out
 
 
