@@ -523,16 +523,16 @@ class BlockManager:
         r, n = rows.numpy(), self.views.num_slots
         return torch.from_numpy(n[Precision.HIGH][r] + n[Precision.INT8][r] + n[Precision.INT4][r])
 
-    def next_token_bytes(self, rows: torch.Tensor) -> int:
+    def next_token_bytes(self, rows) -> int:
         """Bytes the next decode token of ``rows`` may need in all: a HIGH page in each layer whose
         HIGH pages are full, and a LOW (INT8-sized) page in each layer with a full LOW pool, where
-        a policy may store or demote into."""
-        if rows.numel() == 0:
+        a policy may store or demote into. ``rows``: sequence rows (a list or an int64 array)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.size == 0:
             return 0
-        bs = self.block_size
-        high = int((self.num_slots[Precision.HIGH][rows] % bs == 0).sum())
-        low = int(((self.num_slots[Precision.INT8][rows] % bs == 0) |
-                   (self.num_slots[Precision.INT4][rows] % bs == 0)).sum())
+        bs, n = self.block_size, self.views.num_slots
+        high = np.count_nonzero(n[Precision.HIGH][rows] % bs == 0)
+        low = np.count_nonzero((n[Precision.INT8][rows] % bs == 0) | (n[Precision.INT4][rows] % bs == 0))
         return high * self.page_costs[Precision.HIGH] + low * self.page_costs[Precision.INT8]
 
     def pages_held(self, row: int) -> int:

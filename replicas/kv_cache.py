@@ -314,12 +314,11 @@ class KVCache:
 
     def next_token_bytes(self, seq_id) -> int:
         """Bytes the next decode token of a sequence may need (see ``BlockManager.next_token_bytes``)."""
-        return self.blocks.next_token_bytes(torch.tensor([self.blocks.rows[seq_id]]))
+        return self.blocks.next_token_bytes([self.blocks.rows[seq_id]])
 
     def next_step_bytes(self, seq_ids) -> int:
         """:meth:`next_token_bytes` summed over ``seq_ids``, in one pass."""
-        rows = torch.tensor([self.blocks.rows[s] for s in seq_ids], dtype=torch.int64)
-        return self.blocks.next_token_bytes(rows)
+        return self.blocks.next_token_bytes([self.blocks.rows[s] for s in seq_ids])
 
     def full_kv_bytes(self, num_tokens: int) -> int:
         """Bytes that full KV (HIGH, all layers) would hold for ``num_tokens`` tokens."""
