@@ -531,8 +531,8 @@ class BlockManager:
         if rows.size == 0:
             return 0
         bs, n = self.block_size, self.views.num_slots
-        high = np.count_nonzero(n[Precision.HIGH][rows] % bs == 0)
-        low = np.count_nonzero((n[Precision.INT8][rows] % bs == 0) | (n[Precision.INT4][rows] % bs == 0))
+        high = int(_sum(n[Precision.HIGH][rows] % bs == 0, axis=None))   # (ufunc reduces: one call each)
+        low = int(_sum((n[Precision.INT8][rows] % bs == 0) | (n[Precision.INT4][rows] % bs == 0), axis=None))
         return high * self.page_costs[Precision.HIGH] + low * self.page_costs[Precision.INT8]
 
     def pages_held(self, row: int) -> int:

@@ -572,7 +572,7 @@ class LLMEngine:
         budgets = np.asarray(budgets, dtype=np.float64)   # (NumPy: a few us for the batch, PyTorch ~10x)
         allowed = budgets * kv.full_kv_bytes_batch(lengths)
         over = (budgets < 1.0) & (kv.blocks.views.row_bytes[rows] > allowed + 1e-6)
-        for i in np.flatnonzero(over).tolist():
+        for i in over.nonzero()[0].tolist():
             seq = seqs[i]
             try:
                 self.policy.hold_budget(seq, kv, seq.kv_budget)

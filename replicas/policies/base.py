@@ -59,6 +59,9 @@ def cap_and_refill(shares: list[int], cap: int) -> list[int]:
     return out
 
 
+_all = np.logical_and.reduce   # one Python call; ndarray.all() makes three
+
+
 def _lowest(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """``[n]`` the position of each row's lowest score in ``scores [n, T]`` over ``positions
     [n, T]``, the lowest position among equal scores (what an argmin in position order picks)."""
@@ -234,7 +237,7 @@ class ScoredPolicy(KVPolicy):
     def decode_scores(self, seqs: list[Sequence], positions: torch.Tensor, num_layers: int) -> torch.Tensor:
         """``[B, L]`` score of each sequence's new token (at ``positions [B]``) in every layer;
         default: recency (its position), below protected tokens."""
-        return torch.from_numpy(np.repeat(positions.numpy().astype(np.float32)[:, None], num_layers, axis=1))
+        return torch.from_numpy(positions.numpy().astype(np.float32)[:, None].repeat(num_layers, axis=1))
 
     def observe_decode_batch(self, seqs: list[Sequence], kv: KVCache, rows: torch.Tensor,
                              positions: torch.Tensor, queries: dict[int, torch.Tensor]) -> None:
@@ -264,14 +267,14 @@ class ScoredPolicy(KVPolicy):
         self.observe_decode_batch(seqs, kv, rows, positions, queries)
         quotas = self._decode_quotas(seqs, kv, rows_n, pos_n)                         # [B, L]
         over = kv.blocks.kept_counts(rows).numpy() - quotas
-        bi, li = np.nonzero(over > 0)
+        bi, li = (over > 0).nonzero()   # (ndarray methods: one Python call each, np.* wrappers more)
         if not bi.size:
             return None
         t = torch.from_numpy
         r, single, nxt, q = t(rows_n[bi]), over[bi, li] == 1, t(pos_n[bi] + 1), t(quotas[bi, li])
         ids = [(row, seq.request_id) for row, seq in zip(rows_n.tolist(), seqs)] if self.static_scores else None
         li = t(li)
-        if single.all():
+        if _all(single):
             return Evictions(r, li, self._lowest_kept(kv, table, r, li, nxt, q, ids), ())
         over, bi, single = t(over), t(bi), t(single)
         one = single.nonzero().flatten()
@@ -349,7 +352,7 @@ class ScoredPolicy(KVPolicy):
             v = self._order[rn, ln, np.minimum(c, width - 1)].astype(np.int64)
             floor = scores[rn, ln, self._floor_pos[rn]]
             ok &= (kv.blocks.views.location[rn, ln, v] >= 0) & (scores[rn, ln, v] <= floor)
-        if not ok.all():
+        if not _all(ok):
             stale, inv = np.unique(rn[~ok], return_inverse=True)
             nxt = np.empty_like(stale)
             nxt[inv] = next_pos.numpy()[~ok]

@@ -68,4 +68,4 @@ class SnapKVPolicy(ScoredPolicy):
 
     def decode_scores(self, seqs, positions, num_layers):
         score = (PROTECT + positions.numpy().astype(np.float64)).astype(np.float32)   # (NumPy: per step)
-        return torch.from_numpy(np.repeat(score[:, None], num_layers, axis=1))
+        return torch.from_numpy(score[:, None].repeat(num_layers, axis=1))
